@@ -1,0 +1,117 @@
+"""ServerArgs: every knob of the server in one dataclass.
+
+The CLI is generated from the dataclass fields (one flag per field, same name with
+dashes), so `ferroxmp serve --help` can never drift from what the code reads.
+`validate()` refuses bad values with one line naming the flag, before anything starts.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+def _f(default: Any, help: str, choices: Optional[list] = None, **kw) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, **kw})
+
+
+@dataclass
+class ServerArgs:
+    model: Optional[str] = _f(None, "Hugging Face checkpoint folder. Without it, a small demo model "
+                              "with RANDOM weights is built once into $FERROXMP_CACHE (~/.cache/ferroxmp).")
+    served_model_name: Optional[str] = _f(None, "Model name clients send; default: the folder's name.")
+    host: str = _f("127.0.0.1", "Address the HTTP server binds.")
+    port: int = _f(30000, "HTTP port.")
+    device: str = _f("auto", "Where the model runs.", ["auto", "cpu", "cuda"])
+    dtype: str = _f("auto", "Weight and KV dtype; auto = the checkpoint's.", ["auto", "float32", "bfloat16", "float16"])
+    page_size: int = _f(16, "Tokens per KV page.")
+    kv_pages: Optional[int] = _f(None, "Explicit number of KV pages (overrides --kv-cache-gb / --mem-fraction).")
+    kv_cache_gb: float = _f(2.0, "KV pool size in GiB on CPU.")
+    mem_fraction: float = _f(0.85, "Fraction of free CUDA memory for weights + KV pool.")
+    max_running_requests: int = _f(256, "Most rows in the running batch.")
+    max_batch_tokens: int = _f(2048, "Most tokens per step, prefill chunks included.")
+    max_model_len: Optional[int] = _f(None, "Longest prompt + completion; default: the model's context.")
+    queue_timeout: float = _f(600.0, "Seconds a request may wait for admission before a 503.")
+    disable_radix_cache: bool = _f(False, "Turn off prefix sharing.")
+    disable_overlap: bool = _f(False, "Run one batch at a time instead of building N+1 while N computes.")
+    swa_release_interval: int = _f(32, "Steps between releases of pages outside every sliding window.")
+    tp: int = _f(1, "Tensor-parallel ranks (one worker process each).")
+    api_key: Optional[str] = _f(None, "Require 'Authorization: Bearer KEY' on /v1 endpoints.")
+    log_level: str = _f("info", "Log level.", ["debug", "info", "warning", "error"])
+    shutdown_grace: float = _f(30.0, "Seconds SIGTERM waits for running requests before stopping.")
+    max_body_bytes: int = _f(8 * 1024 * 1024, "Largest request body accepted (413 beyond).")
+    http_threads: int = _f(512, "HTTP worker threads (each streaming client holds one).")
+    seed: int = _f(0, "Seed for requests that give none.")
+
+    def validate(self) -> None:
+        """Raise ValueError('--flag: why') for the first bad value."""
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"--{name.replace('_', '-')}: {why}")
+
+        if self.model is not None and not os.path.isdir(self.model):
+            bad("model", f"{self.model!r} is not a directory holding a Hugging Face checkpoint")
+        if not (0 < self.port < 65536):
+            bad("port", f"{self.port} is not a TCP port (1..65535)")
+        for name in ("page_size", "max_running_requests", "max_batch_tokens", "swa_release_interval",
+                     "tp", "http_threads", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                bad(name, f"must be at least 1, got {getattr(self, name)}")
+        if self.page_size & (self.page_size - 1):
+            bad("page_size", f"must be a power of two, got {self.page_size}")
+        if self.kv_pages is not None and self.kv_pages < 2:
+            bad("kv_pages", f"must be at least 2, got {self.kv_pages}")
+        if self.kv_cache_gb <= 0:
+            bad("kv_cache_gb", f"must be positive, got {self.kv_cache_gb}")
+        if not (0 < self.mem_fraction <= 1):
+            bad("mem_fraction", f"must be in (0, 1], got {self.mem_fraction}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            bad("max_model_len", f"must be at least 2, got {self.max_model_len}")
+        if self.queue_timeout <= 0:
+            bad("queue_timeout", f"must be positive, got {self.queue_timeout}")
+        if self.shutdown_grace < 0:
+            bad("shutdown_grace", f"must be >= 0, got {self.shutdown_grace}")
+        if self.max_batch_tokens < self.max_running_requests and self.max_batch_tokens < 1:
+            bad("max_batch_tokens", "must hold at least one token per running row")
+        if self.tp != 1:
+            bad("tp", "tensor parallelism is not implemented yet in this version; use --tp 1")
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return os.path.basename(os.path.normpath(self.model)) if self.model else "ferroxmp-demo"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    for f in dataclasses.fields(ServerArgs):
+        flag = "--" + f.name.replace("_", "-")
+        meta = f.metadata
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", help=meta["help"])
+            continue
+        kind = {"int": int, "float": float, "str": str}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
+        parser.add_argument(flag, type=kind, default=f.default, choices=meta.get("choices"),
+                            help=f"{meta['help']} (default: {f.default})")
+
+
+def parse_server_args(argv: list[str]) -> ServerArgs:
+    """Parse and validate; argparse exits 2 with a one-line message on a bad value."""
+    parser = argparse.ArgumentParser(prog="ferroxmp serve", description="Start the ferroxmp server.")
+    add_cli_args(parser)
+    ns = parser.parse_args(argv)
+    args = ServerArgs(**vars(ns))
+    try:
+        args.validate()
+    except ValueError as e:
+        parser.error(str(e))
+    return args

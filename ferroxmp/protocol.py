@@ -1,0 +1,181 @@
+"""Every message that crosses a process boundary, and the one codec for them.
+
+Messages are msgspec Structs in one tagged union, encoded as msgpack — never
+pickle, so a foreign or truncated frame cannot execute anything; it raises
+`ProtocolError`, which a receiver logs and drops. Token arrays travel as packed
+little-endian int32 bytes (`pack_ids` / `unpack_ids`).
+
+Only deltas travel: a new row carries its token ids and sampling parameters once
+(`NewRow`); after that a step names the row, its start position and its length
+(`RowStep`). Page lists never travel: they are in the shared page table.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Union
+
+import msgspec
+import numpy as np
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid ferroxmp message (truncated, foreign, wrong shape)."""
+
+
+def pack_ids(ids) -> bytes:
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def unpack_ids(buf: bytes) -> np.ndarray:
+    if len(buf) % 4:
+        raise ProtocolError(f"token array of {len(buf)} bytes is not a whole number of int32")
+    return np.frombuffer(buf, dtype="<i4")
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None  # None: no logprobs; n >= 0: the chosen token's + top-n
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+# ---- frontend -> scheduler -------------------------------------------------------
+
+class GenerateReq(msgspec.Struct, tag=True):
+    rid: str
+    input_ids: bytes
+    params: SamplingParams
+    arrival: float = 0.0  # time.time() when the frontend received it
+
+
+class AbortReq(msgspec.Struct, tag=True):
+    rid: str
+    finish_reason: str = "abort"  # "stop" when the frontend matched a stop string
+
+
+# ---- scheduler -> frontend -------------------------------------------------------
+
+class Logprobs(msgspec.Struct, array_like=True):
+    token_logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
+class RowOut(msgspec.Struct, omit_defaults=True):
+    rid: str
+    token_ids: bytes = b""
+    logprobs: Optional[list[Logprobs]] = None
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
+    error: Optional[str] = None  # set with a refusal; the frontend shows it to the client
+    status: int = 200  # HTTP status for a refusal: 400 (never fits), 503 (queue timeout / draining)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    queue_time: float = 0.0
+
+
+class Stats(msgspec.Struct, omit_defaults=True):
+    running: int = 0
+    waiting: int = 0
+    pages_total: int = 0
+    pages_free: int = 0
+    pages_cached: int = 0  # held only by the radix tree
+    pages_in_use: int = 0  # held by at least one row
+    prompt_tokens: int = 0  # totals since start
+    generation_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    worker_busy_seconds: float = 0.0
+    steps: int = 0
+    retractions: int = 0
+
+
+class TokenOut(msgspec.Struct, tag=True):
+    outs: list[RowOut]
+    stats: Optional[Stats] = None
+
+
+# ---- scheduler -> worker ---------------------------------------------------------
+
+class NewRow(msgspec.Struct, array_like=True):
+    """A row slot taking a new request: all its known token ids (prompt, plus what it
+    generated before a retraction) and its sampling parameters, sent once."""
+    row: int
+    token_ids: bytes
+    params: SamplingParams
+    seed: int = 0  # effective seed (the request's, or one the scheduler drew)
+
+
+class RowStep(msgspec.Struct, array_like=True):
+    """Compute positions [start, start+length) of `row`. A decode step has length 1 and
+    its input is the token the worker sampled last for that row. `sample` is false for
+    a prefill chunk that does not end the prompt."""
+    row: int
+    start: int
+    length: int
+    sample: bool
+
+
+class ForwardBatch(msgspec.Struct, tag=True):
+    batch_id: int
+    new_rows: list[NewRow]
+    steps: list[RowStep]
+
+
+class BatchResult(msgspec.Struct, tag=True):
+    batch_id: int
+    rows: bytes = b""  # int32 rows that sampled, in step order
+    tokens: bytes = b""  # int32 sampled token per such row
+    logprobs: dict[int, Logprobs] = {}  # row -> logprobs, only for rows that asked
+    compute_s: float = 0.0
+    error: Optional[str] = None  # the batch was refused; nothing was computed
+
+
+# ---- handshake and control -------------------------------------------------------
+
+class Ready(msgspec.Struct, tag=True):
+    name: str  # "worker", "scheduler", "frontend"
+    pid: int
+    info: dict[str, Any] = {}
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    reason: str = ""
+
+
+def endpoints(run_dir: str) -> dict[str, str]:
+    """The ipc:// endpoints in a run directory. Each is bound by its reader (PULL)."""
+    names = ("scheduler", "worker_results", "frontend", "worker", "supervisor")
+    return {n: "ipc://" + os.path.join(run_dir, n + ".sock") for n in names}
+
+
+Message = Union[GenerateReq, AbortReq, TokenOut, ForwardBatch, BatchResult, Ready, Shutdown]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(buf: bytes) -> Message:
+    try:
+        return _decoder.decode(buf)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"malformed message ({len(buf)} bytes): {e}") from None
