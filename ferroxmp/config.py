@@ -115,3 +115,29 @@ def parse_server_args(argv: list[str]) -> ServerArgs:
     except ValueError as e:
         parser.error(str(e))
     return args
+
+
+def setup_logging(process: str, level: str = "info") -> None:
+    """Every line carries the process name, so the supervisor's merged log reads."""
+    import logging
+    import sys
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr, force=True,
+        format=f"%(asctime)s %(levelname)s [{process}:%(process)d] %(name)s: %(message)s")
+
+
+def watch_parent():
+    """Arrange for this child to die with its parent, and return a liveness check.
+
+    PR_SET_PDEATHSIG delivers SIGTERM when the parent exits (Linux); the returned
+    callable is the portable fallback, polled by the child's own loop."""
+    import ctypes
+    import signal
+    parent = os.getppid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+    return lambda: os.getppid() == parent

@@ -1,0 +1,86 @@
+"""Planning one step: every decoding row, then prefill chunks, up to the token budget.
+
+Order matters and is the policy: decode rows first (one token each, oldest
+first), so a long prompt being prefilled never stalls anyone's stream; then
+chunks of rows already prefilling; then new admissions, each with its first
+chunk. When a decode row needs a page the pool cannot give even after
+eviction, the youngest decoding rows are retracted until it can.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ferroxmp.protocol import NewRow, RowStep
+from ferroxmp.scheduler.policy import admission_order
+from ferroxmp.scheduler.request import Request, State
+
+if TYPE_CHECKING:
+    from ferroxmp.scheduler.core import SchedulerCore
+
+
+@dataclass
+class Plan:
+    new_rows: list[NewRow] = field(default_factory=list)
+    steps: list[tuple[Request, RowStep]] = field(default_factory=list)
+
+    def add(self, req: Request, length: int, sample: bool, pool) -> None:
+        self.steps.append((req, RowStep(req.row, req.scheduled, length, sample)))
+        req.schedule(length, sample)
+        pool.row_lens[req.row] = req.scheduled
+
+
+def plan_batch(core: "SchedulerCore", now: float) -> Plan:
+    plan, rows, pool = Plan(), core.rows, core.pool
+    budget = core.cfg.max_batch_tokens
+    live = sorted(rows.live.values(), key=lambda r: r.arrival)
+    active = [r for r in live if not r.retracting and r.state != State.FINISHED]
+
+    decoding = [r for r in active if r.state == State.DECODING and not r.done_sampling]
+    for req in decoding:
+        if budget <= 0:
+            break
+        if req.retracting:
+            continue
+        while not rows.grow(req, req.scheduled + 1):
+            # A retraction still waiting on its batch in flight frees pages next step;
+            # retracting more now would throw away work it alone may cover.
+            if any(r.retracting for r in rows.live.values()):
+                break
+            younger = [r for r in active[active.index(req) + 1:] if not r.retracting]
+            if not younger:
+                break
+            core.retract(younger[-1])
+        if len(req.pages) * core.cfg.page_size <= req.scheduled:
+            continue  # no page this step; pages come back when retracted rows report
+        plan.add(req, 1, True, pool)
+        budget -= 1
+
+    for req in sorted((r for r in active if r.state == State.PREFILLING and not r.retracting),
+                      key=lambda r: r.admitted_at or 0.0):
+        if budget <= 0:
+            break
+        chunk = min(req.prefill_target - req.scheduled, budget)
+        plan.add(req, chunk, req.scheduled + chunk == req.prefill_target, pool)
+        budget -= chunk
+
+    if core.draining and not core.waiting:
+        return plan
+    reserve = len(decoding)  # one page of headroom per decoding row before admitting more
+    for req, blocking in admission_order(core.waiting, now, core.cfg.aging_s, rows.match):
+        if budget <= 0 or not rows.free_rows:
+            break
+        first = req.admitted_at is None
+        if not rows.admit(req, now, reserve):
+            if blocking:
+                break
+            continue
+        core.waiting.remove(req)
+        if first:
+            core.totals.prompt_tokens += len(req.prompt)
+            core.totals.cached_prompt_tokens += req.cached_tokens
+        plan.new_rows.append(core.new_row(req))
+        chunk = min(req.prefill_target - req.scheduled, budget)
+        plan.add(req, chunk, req.scheduled + chunk == req.prefill_target, pool)
+        budget -= chunk
+    return plan

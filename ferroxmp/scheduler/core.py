@@ -1,0 +1,257 @@
+"""SchedulerCore: requests in, batches out, results in, token outputs out. No sockets.
+
+The event loop (scheduler.py) and in-process tests drive the same object, so the
+tests exercise the real admission → chunked prefill → handover → finish path.
+Invariants (checked by `check_integrity`): every live row is in `rows.live`;
+every request in flight is counted in its `inflight`; pages and row slots of a
+finished or retracted request return only when its `inflight` reaches 0.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ferroxmp.protocol import (BatchResult, ForwardBatch, GenerateReq, NewRow, RowOut,
+                               RowStep, Stats, pack_ids, unpack_ids)
+from ferroxmp.radix.pages import PagePool
+from ferroxmp.radix.tree import RadixCache
+from ferroxmp.scheduler.batch import plan_batch
+from ferroxmp.scheduler.request import Request, State
+from ferroxmp.scheduler.rows import RowManager, pages_for
+
+log = logging.getLogger("ferroxmp.scheduler")
+
+
+@dataclass
+class SchedulerConfig:
+    page_size: int
+    max_batch_tokens: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()
+    queue_timeout: float = 600.0
+    radix: bool = True
+    sliding_window: Optional[int] = None
+    swa_release_interval: int = 32
+    aging_s: float = 5.0
+    seed: int = 0
+
+    @classmethod
+    def from_launch(cls, args: dict, worker_info: dict) -> "SchedulerConfig":
+        return cls(page_size=worker_info["page_size"], max_batch_tokens=args["max_batch_tokens"],
+                   max_model_len=worker_info["max_model_len"], vocab_size=worker_info["vocab_size"],
+                   eos_token_ids=tuple(worker_info.get("eos_token_ids") or ()),
+                   queue_timeout=args["queue_timeout"], radix=not args["disable_radix_cache"],
+                   sliding_window=worker_info.get("sliding_window"),
+                   swa_release_interval=args["swa_release_interval"], seed=args.get("seed", 0))
+
+
+@dataclass
+class SchedulerCore:
+    pool: PagePool
+    cfg: SchedulerConfig
+    rows: RowManager = field(init=False)
+    waiting: list[Request] = field(default_factory=list)
+    requests: dict[str, Request] = field(default_factory=dict)  # waiting, live, or releasing
+    inflight: dict[int, list[tuple[Request, RowStep]]] = field(default_factory=dict)
+    outbox: dict[str, RowOut] = field(default_factory=dict)
+    totals: Stats = field(default_factory=Stats)
+    next_batch_id: int = 0
+    draining: bool = False
+
+    def __post_init__(self) -> None:
+        tree = RadixCache(self.pool, self.cfg.page_size) if self.cfg.radix else None
+        self.rows = RowManager(self.pool, tree, self.cfg.page_size)
+        self._rng = random.Random(self.cfg.seed)
+
+    # -- requests in ---------------------------------------------------------------
+
+    def refusal(self, req: GenerateReq, n: int) -> Optional[str]:
+        p, limit = req.params, self.cfg.max_model_len
+        if req.rid in self.requests:
+            return f"request id {req.rid!r} is already running"
+        if n == 0:
+            return "the prompt is empty: send at least one token"
+        if p.max_tokens < 1:
+            return f"max_tokens must be at least 1, got {p.max_tokens}"
+        if n + p.max_tokens > limit:
+            return (f"this model's maximum context length is {limit} tokens; the prompt has {n} "
+                    f"and max_tokens asks for {p.max_tokens} more: shorten the prompt or lower max_tokens")
+        if pages_for(n + p.max_tokens, self.cfg.page_size) > self.pool.num_pages:
+            return (f"prompt ({n}) + max_tokens ({p.max_tokens}) needs more KV pages than the whole "
+                    f"pool holds ({self.pool.num_pages} x {self.cfg.page_size} tokens)")
+        return None
+
+    def add_request(self, msg: GenerateReq, now: float) -> Optional[RowOut]:
+        """Queue a request, or return the refusal (400: can never fit; 503: draining)."""
+        ids = unpack_ids(msg.input_ids).tolist()
+        why = self.refusal(msg, len(ids))
+        if why is None and ids and (min(ids) < 0 or max(ids) >= self.cfg.vocab_size):
+            why = f"token ids must be in [0, {self.cfg.vocab_size}); got {min(ids)}..{max(ids)}"
+        if why is not None or self.draining:
+            out = RowOut(msg.rid, finish_reason="error", status=400 if why else 503,
+                         error=why or "the server is shutting down", prompt_tokens=len(ids))
+            log.info("refused %s: %s", msg.rid, out.error)
+            return out
+        seed = msg.params.seed if msg.params.seed is not None else self._rng.getrandbits(31)
+        req = Request(msg.rid, ids, msg.params, msg.arrival or now, seed=seed)
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+        return None
+
+    def abort(self, rid: str, reason: str = "abort") -> None:
+        req = self.requests.get(rid)
+        if req is None or req.state == State.FINISHED:
+            return  # finished already, or never known: aborts are idempotent
+        if req.state == State.WAITING:
+            self.waiting.remove(req)
+            req.finish(reason)
+            self._emit(req)
+            del self.requests[rid]
+            return
+        req.finish(reason)
+        self._emit(req)
+        self._release_if_done(req)
+
+    def expire(self, now: float) -> None:
+        """Refuse with 503 what waited past --queue-timeout (retracted rows already
+        streamed tokens to their client: they are never dropped)."""
+        for req in [r for r in self.waiting if r.retractions == 0
+                    and now - r.arrival > self.cfg.queue_timeout]:
+            self.waiting.remove(req)
+            del self.requests[req.rid]
+            self.outbox[req.rid] = RowOut(
+                req.rid, finish_reason="error", status=503, prompt_tokens=len(req.prompt),
+                error=f"the request waited {now - req.arrival:.1f}s for KV pages without being "
+                      f"admitted (--queue-timeout {self.cfg.queue_timeout:g}s): retry later")
+
+    # -- batches out ---------------------------------------------------------------
+
+    def build_batch(self, now: float) -> Optional[ForwardBatch]:
+        plan = plan_batch(self, now)
+        if not plan.steps:
+            return None
+        batch = ForwardBatch(self.next_batch_id, plan.new_rows, [s for _, s in plan.steps])
+        self.inflight[batch.batch_id] = plan.steps
+        self.next_batch_id += 1
+        self.totals.steps += 1
+        if self.cfg.sliding_window and self.totals.steps % self.cfg.swa_release_interval == 0:
+            for req in list(self.rows.live.values()):
+                self.rows.release_window_pages(req, self.cfg.sliding_window)
+        return batch
+
+    def new_row(self, req: Request) -> NewRow:
+        return NewRow(req.row, pack_ids(req.tokens), req.params, req.seed)
+
+    def retract(self, req: Request) -> None:
+        """Free a decoding row's pages for older rows; it re-queues ahead of new work
+        and, because it publishes first, re-admission is mostly a cache hit."""
+        req.retracting = True
+        self.totals.retractions += 1
+        log.info("retracting %s at %d tokens (pool exhausted)", req.rid, req.known_len)
+        self._release_if_done(req)
+
+    # -- results in ----------------------------------------------------------------
+
+    def process_result(self, res: BatchResult, now: float) -> None:
+        steps = self.inflight.pop(res.batch_id, None)
+        if steps is None:
+            log.error("result for unknown batch %d dropped", res.batch_id)
+            return
+        self.totals.worker_busy_seconds += res.compute_s
+        if res.error:
+            log.error("worker refused batch %d: %s", res.batch_id, res.error)
+        sampled = dict(zip(unpack_ids(res.rows).tolist(), unpack_ids(res.tokens).tolist()))
+        for req, step in steps:
+            req.inflight -= 1
+            if res.error:
+                req.finish("error", f"the model worker failed this step: {res.error}")
+                self._emit(req)
+                continue
+            req.computed = max(req.computed, step.start + step.length)
+            if step.sample and req.state != State.FINISHED:
+                self._append(req, sampled[step.row], res.logprobs.get(step.row))
+            elif not step.sample and req.state != State.FINISHED and not req.retracting:
+                self.rows.publish(req)  # a finished chunk is shared at once (contract 1)
+        for req, _ in steps:
+            self._release_if_done(req)
+
+    def _append(self, req: Request, token: int, logprobs) -> None:
+        req.output.append(token)
+        self.totals.generation_tokens += 1
+        if logprobs is not None:
+            req.pending_logprobs.append(logprobs)
+        p = req.params
+        if (not p.ignore_eos and token in self.cfg.eos_token_ids) or token in p.stop_token_ids:
+            req.finish("stop")
+        elif len(req.output) >= p.max_tokens:
+            req.finish("length")
+        self._emit(req)
+
+    def _release_if_done(self, req: Request) -> None:
+        if req.inflight > 0 or req.row is None:
+            return
+        if req.state == State.FINISHED:
+            self.rows.release(req)
+            self.requests.pop(req.rid, None)
+        elif req.retracting:
+            self.rows.release(req)
+            req.retract()
+            self.waiting.append(req)
+
+    def _emit(self, req: Request) -> None:
+        new = req.output[req.reported_tokens:]
+        if not new and req.state != State.FINISHED:
+            return
+        prev = self.outbox.get(req.rid)
+        ids = (unpack_ids(prev.token_ids).tolist() if prev else []) + new
+        lps = (prev.logprobs or []) if prev else []
+        lps = lps + req.pending_logprobs
+        req.reported_tokens = len(req.output)
+        req.pending_logprobs = []
+        self.outbox[req.rid] = RowOut(
+            req.rid, token_ids=pack_ids(ids), logprobs=lps or None,
+            finish_reason=req.finish_reason, error=req.error, prompt_tokens=len(req.prompt),
+            cached_tokens=req.cached_tokens, queue_time=req.queue_time)
+
+    def take_outputs(self) -> list[RowOut]:
+        outs = list(self.outbox.values())
+        self.outbox.clear()
+        return outs
+
+    # -- state ---------------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.rows.live and not self.inflight
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(
+            r.state in (State.PREFILLING, State.DECODING) and not r.retracting and not r.done_sampling
+            for r in self.rows.live.values())
+
+    def stats(self) -> Stats:
+        s = Stats(**{f: getattr(self.totals, f) for f in self.totals.__struct_fields__})
+        s.running = sum(1 for r in self.rows.live.values() if r.state != State.FINISHED)
+        s.waiting = len(self.waiting)
+        s.pages_total = self.pool.num_pages
+        s.pages_free = self.pool.free_count
+        s.pages_cached = self.rows.cached_pages()
+        s.pages_in_use = s.pages_total - s.pages_free - s.pages_cached
+        return s
+
+    def check_integrity(self) -> None:
+        self.rows.check_integrity()
+        counts: dict[str, int] = {}
+        for steps in self.inflight.values():
+            for req, _ in steps:
+                counts[req.rid] = counts.get(req.rid, 0) + 1
+        for req in self.requests.values():
+            assert req.inflight == counts.get(req.rid, 0), (req.rid, req.inflight)
+            assert (req.state == State.WAITING) == (req in self.waiting), (req.rid, req.state)
+        if self.idle:
+            assert self.pool.free_count + self.rows.cached_pages() == self.pool.num_pages, \
+                "idle, yet pages are held by something other than the tree"
