@@ -62,7 +62,7 @@ class Supervisor:
             json.dump(self.launch, f)
         os.replace(tmp, os.path.join(self.run_dir, "launch.json"))
 
-    def _start(self, name: str) -> Ready:
+    def start(self, name: str) -> Ready:
         self._write_launch()
         self.children[name] = subprocess.Popen(
             [sys.executable, "-m", MODULES[name], "--run-dir", self.run_dir],
@@ -95,13 +95,13 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         try:
-            worker = self._start("worker")
+            worker = self.start("worker")
             self.launch["worker_info"] = worker.info
             log.info("worker ready: %s", worker.info)
-            self._start("scheduler")
+            self.start("scheduler")
             self.launch["pids"] = {"supervisor": os.getpid(), "scheduler": self.children["scheduler"].pid,
                                    "workers": [self.children["worker"].pid]}
-            self._start("frontend")
+            self.start("frontend")
             log.info("serving %s on http://%s:%d (OpenAI API under /v1)",
                      self.args.model_name, self.args.host, self.args.port)
             while self.signalled is None:
@@ -115,7 +115,7 @@ class Supervisor:
         except KeyboardInterrupt:
             return 0
         finally:
-            self._teardown()
+            self.teardown()
 
     def _fail_inflight(self, why: str) -> None:
         """Tell the frontend (if alive) to end every in-flight request with an error."""
@@ -147,7 +147,7 @@ class Supervisor:
             time.sleep(0.1)
         return 0
 
-    def _teardown(self) -> None:
+    def teardown(self) -> None:
         for name in ("frontend", "scheduler", "worker"):
             proc = self.children.get(name)
             if proc is not None and proc.poll() is None:

@@ -1,0 +1,110 @@
+"""LocalEngine: the real scheduler core and the real model runner in one process.
+
+Used by tests that must drive the real path (admission → chunked prefill →
+handover → finish) while inspecting the pool and the tree between steps. With
+`overlap=True` it keeps two batches in flight exactly as the scheduler process
+does: batch N+1 is built before N's result is processed.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable, Optional
+
+import torch
+
+from ferroxmp.gpu_worker.runner import ModelRunner
+from ferroxmp.protocol import ForwardBatch, GenerateReq, SamplingParams, pack_ids, unpack_ids
+from ferroxmp.radix.pages import PagePool
+from ferroxmp.scheduler.core import SchedulerConfig, SchedulerCore
+from ferroxmp.scheduler.request import Request
+
+
+class LocalEngine:
+    def __init__(self, model: str, num_pages: int = 64, page_size: int = 4, max_batch_tokens: int = 64,
+                 max_rows: int = 8, overlap: bool = False, radix: bool = True, max_model_len: int = 1024):
+        self.pool = PagePool.create(num_pages, max_rows, -(-max_model_len // page_size))
+        self.runner = ModelRunner(model, self.pool, page_size)
+        cfg = self.runner.config
+        self.core = SchedulerCore(self.pool, SchedulerConfig(
+            page_size=page_size, max_batch_tokens=max_batch_tokens, max_model_len=max_model_len,
+            vocab_size=cfg.vocab_size, eos_token_ids=tuple(cfg.eos_token_ids), radix=radix,
+            sliding_window=cfg.sliding_window))
+        self.overlap = overlap
+        self.queue: deque[ForwardBatch] = deque()
+        self.outputs: dict[str, list[int]] = {}
+        self.finish: dict[str, str] = {}
+        self.refusals: dict[str, tuple[int, str]] = {}
+        self.sample_logits: dict[str, list[torch.Tensor]] = {}  # rid -> logits of each sample
+        self.batches: list[ForwardBatch] = []
+        self._n = 0
+
+    def submit(self, prompt: list[int], max_tokens: int = 4, rid: Optional[str] = None,
+               **params) -> str:
+        rid = rid or f"req-{self._n}"
+        self._n += 1
+        params.setdefault("temperature", 0.0)
+        msg = GenerateReq(rid, pack_ids(prompt), SamplingParams(max_tokens=max_tokens, **params), time.time())
+        refusal = self.core.add_request(msg, time.time())
+        if refusal is not None:
+            self.refusals[rid] = (refusal.status, refusal.error)
+        else:
+            self.outputs[rid] = []
+        return rid
+
+    def request(self, rid: str) -> Optional[Request]:
+        return self.core.requests.get(rid)
+
+    def build(self) -> Optional[ForwardBatch]:
+        """Plan one batch now and queue it for the next `step` (to inspect it first)."""
+        batch = self.core.build_batch(time.time())
+        if batch is not None:
+            self.queue.append(batch)
+            self.batches.append(batch)
+        return batch
+
+    def step(self) -> bool:
+        """Build (up to the in-flight limit) and run one batch. False when nothing ran."""
+        limit = 2 if self.overlap else 1
+        while len(self.queue) < limit and self.build() is not None:
+            pass
+        if not self.queue:
+            return False
+        batch = self.queue.popleft()
+        result = self.runner.execute(batch)
+        sampled = [s for s in batch.steps if s.sample]
+        by_row = {s.row: i for i, s in enumerate(sampled)}
+        for req, step in self.core.inflight.get(batch.batch_id, []):
+            if step.sample and result.error is None:
+                self.sample_logits.setdefault(req.rid, []).append(
+                    self.runner.last_logits[by_row[step.row]].clone())
+        self.core.process_result(result, time.time())
+        for out in self.core.take_outputs():
+            if out.status != 200:
+                self.refusals[out.rid] = (out.status, out.error)
+                continue
+            self.outputs.setdefault(out.rid, []).extend(unpack_ids(out.token_ids).tolist())
+            if out.finish_reason:
+                self.finish[out.rid] = out.finish_reason
+        self.core.check_integrity()
+        return True
+
+    def run_until(self, done: Callable[[], bool], max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if done():
+                return
+            if not self.step() and done():
+                return
+        raise AssertionError(f"not done after {max_steps} steps")
+
+    def run_to_idle(self, max_steps: int = 10_000) -> None:
+        self.run_until(lambda: self.core.idle and not self.queue, max_steps)
+
+    def generate(self, prompt: list[int], max_tokens: int = 8, **params) -> list[int]:
+        rid = self.submit(prompt, max_tokens, **params)
+        self.run_until(lambda: rid in self.finish)
+        return self.outputs[rid]
+
+    def close(self) -> None:
+        self.pool.close()
+        self.pool.unlink()
