@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
+from types import SimpleNamespace
 from typing import Iterable, Optional
 
 import numpy as np
 
 _HEADER = 4  # int32 words: num_pages, max_rows, max_pages_per_row, magic
 _MAGIC = 0x46585050  # "FXPP"
+_ATTACH_LOCK = threading.Lock()
+_VECTOR_MIN = 32  # page lists this long go through numpy; shorter, a loop is cheaper
 
 
 class PageError(RuntimeError):
@@ -28,18 +32,26 @@ class PageError(RuntimeError):
 
 
 def _attach_untracked(name: str) -> shared_memory.SharedMemory:
-    # Python < 3.13 registers attached segments with the resource tracker, which then
-    # unlinks them when the reader exits; only the owner may unlink.
+    """Attach without registering with the resource tracker: only the owner unlinks.
+
+    Python < 3.13 registers every attached segment, and the tracker unlinks it when
+    the reader exits. Unregistering afterwards is no cure: processes started by
+    multiprocessing share their parent's tracker, so the unregister would drop the
+    owner's own registration (and its cleanup if the owner dies). So the register
+    call is skipped, for shared_memory only and only for this constructor call.
+    """
     try:
         return shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]
     except TypeError:
-        from multiprocessing import resource_tracker
-        shm = shared_memory.SharedMemory(name=name)
+        pass
+    tracker = shared_memory.resource_tracker
+    with _ATTACH_LOCK:
+        shared_memory.resource_tracker = SimpleNamespace(  # type: ignore[assignment]
+            register=lambda name, rtype: None, unregister=tracker.unregister)
         try:
-            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        except Exception:
-            pass
-        return shm
+            return shared_memory.SharedMemory(name=name)
+        finally:
+            shared_memory.resource_tracker = tracker
 
 
 @dataclass
@@ -118,19 +130,54 @@ class PagePool:
         self.refs[pages] = 1
         return pages
 
+    def _checked(self, pages: Iterable[int]) -> list[int]:
+        pages = [int(p) for p in pages]
+        # A negative index would silently wrap around to the last pages.
+        if pages and not (0 <= min(pages) and max(pages) < self.num_pages):
+            raise PageError(f"page out of range 0..{self.num_pages - 1}: "
+                            f"{[p for p in pages if not 0 <= p < self.num_pages][:4]}")
+        return pages
+
     def retain(self, pages: Iterable[int]) -> None:
+        """One more ref on each (already held) page; all or nothing."""
+        pages = self._checked(pages)
+        refs = self.refs
+        if len(pages) >= _VECTOR_MIN:
+            arr = np.array(pages, np.int64)
+            bad = arr[refs[arr] <= 0]
+            if bad.size:
+                raise PageError(f"retain of free page {int(bad[0])}")
+            np.add.at(refs, arr, 1)
+            return
         for p in pages:
-            if self.refs[p] <= 0:
+            if refs[p] <= 0:
                 raise PageError(f"retain of free page {p}")
-            self.refs[p] += 1
+        for p in pages:
+            refs[p] += 1
 
     def release(self, pages: Iterable[int]) -> None:
+        """One ref less on each page; a page reaching 0 is free. All or nothing: a
+        double free raises before any refcount moves."""
+        pages = self._checked(pages)
+        refs = self.refs
+        if len(pages) >= _VECTOR_MIN or len(set(pages)) != len(pages):
+            uniq, count = np.unique(np.array(pages, np.int64), return_counts=True)
+            have = refs[uniq]
+            bad = uniq[have < count]
+            if bad.size:
+                p = int(bad[0])
+                raise PageError(f"double free of page {p} ({int(count[uniq == p][0])} "
+                                f"releases, {int(refs[p])} refs)")
+            refs[uniq] = have - count
+            self._free.extend(uniq[have == count].tolist())
+            return
         for p in pages:
-            r = int(self.refs[p])
-            if r <= 0:
+            if refs[p] <= 0:
                 raise PageError(f"double free of page {p}")
-            self.refs[p] = r - 1
-            if r == 1:
+        for p in pages:
+            r = int(refs[p]) - 1
+            refs[p] = r
+            if r == 0:
                 self._free.append(p)
 
     def set_row(self, row: int, pages: list[int], length: int) -> None:
@@ -144,22 +191,32 @@ class PagePool:
         self.row_lens[row] = 0
 
     def row_pages(self, row: int) -> np.ndarray:
+        """A copy of the row's page list: a snapshot the writer cannot change under
+        the reader, and no view left behind to keep the segment mapped at close."""
         t = self.page_table[row]
         n = int(np.argmax(t < 0)) if (t < 0).any() else len(t)
-        return t[:n]
+        return t[:n].copy()
 
     def check_integrity(self, holders: Optional[dict[int, int]] = None) -> None:
         """Free list == {refs == 0}, no duplicates; with `holders` (page -> count of
-        tree + rows holding it), every refcount equals its holders."""
+        tree + rows holding it), every refcount equals its holders. Raises PageError."""
         free = set(self._free)
-        assert len(free) == len(self._free), "a page is on the free list twice"
+        if len(free) != len(self._free):
+            raise PageError("a page is on the free list twice")
+        if (self.refs < 0).any():
+            raise PageError(f"negative refcount on pages {np.flatnonzero(self.refs < 0)[:8].tolist()}")
         zero = set(np.flatnonzero(self.refs == 0).tolist())
-        assert free == zero, f"free list {sorted(free ^ zero)[:8]} disagrees with refcounts"
-        assert (self.refs >= 0).all(), "negative refcount"
+        if free != zero:
+            raise PageError(f"free list disagrees with refcounts on pages {sorted(free ^ zero)[:8]}")
         if holders is not None:
-            for p in range(self.num_pages):
-                want = holders.get(p, 0)
-                assert self.refs[p] == want, f"page {p}: refcount {self.refs[p]} != {want} holders"
+            want = np.zeros(self.num_pages, np.int64)
+            for p, n in holders.items():
+                want[p] = n
+            bad = np.flatnonzero(self.refs != want)
+            if bad.size:
+                p = int(bad[0])
+                raise PageError(f"page {p}: refcount {self.refs[p]} != {want[p]} holders "
+                                f"({bad.size} pages disagree)")
 
     def close(self) -> None:
         self.refs = self.page_table = self.row_lens = None  # type: ignore[assignment]
