@@ -119,6 +119,7 @@ class NewRow(msgspec.Struct, array_like=True):
     token_ids: bytes
     params: SamplingParams
     seed: int = 0  # effective seed (the request's, or one the scheduler drew)
+    prompt_len: int = 0  # how many of token_ids are prompt (the rest: generated before a retraction); 0 = all
 
 
 class RowStep(msgspec.Struct, array_like=True):

@@ -1,0 +1,18 @@
+"""Model modules by architecture name: one DecoderLM serves all four supported
+architectures (they differ by flags in ModelConfig and by the tensors present)."""
+from __future__ import annotations
+
+import torch
+
+from ..loader import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModel
+from .llama import DecoderLM
+
+MODEL_CLASSES = {arch: DecoderLM for arch in SUPPORTED_ARCHITECTURES}
+
+
+def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device) -> DecoderLM:
+    cls = MODEL_CLASSES.get(cfg.architecture)
+    if cls is None:
+        raise UnsupportedModel(f"architecture {cfg.architecture!r} is not supported; "
+                               f"ferroxmp runs {', '.join(MODEL_CLASSES)}")
+    return cls(cfg, weights, device)

@@ -1,0 +1,197 @@
+"""Read a Hugging Face checkpoint folder: config.json -> ModelConfig, safetensors -> tensors.
+
+Job: turn the files on disk into plain values the model module needs, and refuse what
+ferroxmp cannot run with a message naming the problem and the alternatives.
+
+Invariants:
+- `ModelConfig` is complete and checked: head_dim * heads is the q width, heads is a
+  multiple of kv_heads, rope type is one we implement.
+- Weights come back with checkpoint names, on the requested device and dtype.
+- EOS ids = generation_config.json's eos_token_id (int or list) + tokenizer_config's
+  eos token (+ config.json's eos_token_id), deduplicated, in that order.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UnsupportedModel(ValueError):
+    """The checkpoint asks for something ferroxmp does not implement."""
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict[str, Any]]
+    tie_word_embeddings: bool
+    qk_norm: bool
+    sliding_window: Optional[int]
+    dtype: torch.dtype
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def rope_type(self) -> str:
+        return (self.rope_scaling or {}).get("rope_type") or (self.rope_scaling or {}).get("type") or "default"
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def kv_bytes_per_token(self, dtype: Optional[torch.dtype] = None) -> int:
+        itemsize = torch.empty((), dtype=dtype or self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    def check_integrity(self) -> None:
+        assert self.num_heads % self.num_kv_heads == 0, "heads must be a multiple of kv heads"
+        assert self.head_dim % 2 == 0, "RoPE needs an even head_dim"
+        assert self.sliding_window is None or self.sliding_window > 0
+        assert self.rope_type in SUPPORTED_ROPE_TYPES
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _as_list(x: Any) -> list[int]:
+    if x is None:
+        return []
+    return [int(i) for i in (x if isinstance(x, (list, tuple)) else [x])]
+
+
+def eos_token_ids(model_path: str, cfg: dict) -> list[int]:
+    ids = _as_list(_read_json(os.path.join(model_path, "generation_config.json")).get("eos_token_id"))
+    tok_cfg = _read_json(os.path.join(model_path, "tokenizer_config.json"))
+    eos = tok_cfg.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if eos:
+        vocab_id = _token_id(model_path, eos, tok_cfg)
+        if vocab_id is not None:
+            ids.append(vocab_id)
+    ids += _as_list(cfg.get("eos_token_id"))
+    return list(dict.fromkeys(ids))
+
+
+def _token_id(model_path: str, token: str, tok_cfg: dict) -> Optional[int]:
+    for entry in (tok_cfg.get("added_tokens_decoder") or {}).items():
+        if entry[1].get("content") == token:
+            return int(entry[0])
+    tok = _read_json(os.path.join(model_path, "tokenizer.json"))
+    for added in tok.get("added_tokens", []):
+        if added.get("content") == token:
+            return int(added["id"])
+    vocab = (tok.get("model") or {}).get("vocab")
+    return vocab.get(token) if isinstance(vocab, dict) else None
+
+
+def resolve_dtype(name: str, checkpoint: dict) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    raw = checkpoint.get("torch_dtype") or checkpoint.get("dtype") or "float32"
+    if raw not in _DTYPES:
+        raise UnsupportedModel(f"checkpoint dtype {raw!r} is not one of {sorted(_DTYPES)}; pass --dtype")
+    return _DTYPES[raw]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
+    return torch.device(name)
+
+
+def load_config(model_path: str, dtype: str = "auto") -> ModelConfig:
+    raw = _read_json(os.path.join(model_path, "config.json"))
+    if not raw:
+        raise UnsupportedModel(f"{model_path!r} has no config.json: not a Hugging Face checkpoint folder")
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise UnsupportedModel(f"architecture {archs or raw.get('model_type')!r} is not supported; "
+                               f"ferroxmp runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+    heads = int(raw["num_attention_heads"])
+    rope = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+    theta = float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    rope.pop("rope_theta", None)
+    model_type = raw.get("model_type", "")
+    window = raw.get("sliding_window") if arch == "MistralForCausalLM" else None
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and raw.get("use_sliding_window"):
+        raise UnsupportedModel(f"{arch} with use_sliding_window=true (per-layer windows) is not supported")
+    cfg = ModelConfig(
+        architecture=arch, model_type=model_type, hidden_size=int(raw["hidden_size"]),
+        num_layers=int(raw["num_hidden_layers"]), num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+        intermediate_size=int(raw["intermediate_size"]), vocab_size=int(raw["vocab_size"]),
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
+        rms_norm_eps=float(raw.get("rms_norm_eps") or 1e-6), rope_theta=theta,
+        rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qk_norm=arch == "Qwen3ForCausalLM", sliding_window=int(window) if window else None,
+        dtype=resolve_dtype(dtype, raw), eos_token_ids=eos_token_ids(model_path, raw))
+    if cfg.rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModel(f"rope type {cfg.rope_type!r} is not supported; ferroxmp implements "
+                               f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+    cfg.check_integrity()
+    return cfg
+
+
+def weight_files(model_path: str) -> list[str]:
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        shards = sorted(set(_read_json(index)["weight_map"].values()))
+        return [os.path.join(model_path, s) for s in shards]
+    single = os.path.join(model_path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise UnsupportedModel(f"{model_path!r} holds neither model.safetensors nor model.safetensors.index.json")
+
+
+def load_weights(model_path: str, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+    out: dict[str, torch.Tensor] = {}
+    for path in weight_files(model_path):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    return out
+
+
+def weight_bytes(model_path: str, dtype: torch.dtype) -> int:
+    """Bytes the weights will take in `dtype` (from the safetensors headers, nothing loaded)."""
+    from safetensors import safe_open
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for path in weight_files(model_path):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                n = 1
+                for d in f.get_slice(name).get_shape():
+                    n *= d
+                total += n * itemsize
+    return total

@@ -1,0 +1,138 @@
+"""The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3.
+
+Job: embeddings -> N x (RMSNorm, attention with RoPE over the paged KV pool, RMSNorm,
+SwiGLU MLP) -> final norm -> lm_head, on a flat batch of tokens described by a StepPlan.
+The four architectures differ only by flags read from ModelConfig and by which tensors
+the checkpoint holds: q/k/v biases (Qwen2), q/k RMSNorm (Qwen3), tied embeddings,
+llama3 RoPE scaling, a sliding window (Mistral; handled by the plan).
+
+Invariants:
+- Numerics follow transformers: RMSNorm in float32 then cast back before the weight,
+  RoPE cos/sin computed in float32 from position * inv_freq then cast, softmax scale
+  head_dim ** -0.5. q/k/v and gate/up are fused into one matmul each (row-wise the
+  same dot products).
+- RoPE uses each token's absolute position (a chunk or an adopted row starts at its
+  own start, never 0).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import StepPlan, paged_attention
+from ..kv_pool import KVPool
+from ..loader import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    sc = cfg.rope_scaling or {}
+    if cfg.rope_type == "linear":
+        return inv / float(sc["factor"])
+    if cfg.rope_type == "llama3":
+        factor, lo_f, hi_f = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old_ctx = float(sc["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_ctx / lo_f, inv / factor, inv)
+        smooth = (old_ctx / wavelen - lo_f) / (hi_f - lo_f)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_ctx / hi_f) * ~(wavelen > old_ctx / lo_f)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+@dataclass
+class Layer:
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    w_qkv: torch.Tensor
+    b_qkv: Optional[torch.Tensor]
+    w_o: torch.Tensor
+    b_o: Optional[torch.Tensor]
+    q_norm: Optional[torch.Tensor]
+    k_norm: Optional[torch.Tensor]
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+class DecoderLM:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device):
+        self.cfg = cfg
+        self.device = device
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"checkpoint lacks tensor {name!r} needed by {cfg.architecture}")
+            return weights.pop(name)
+
+        def maybe(name: str) -> Optional[torch.Tensor]:
+            return weights.pop(name, None)
+
+        self.embed = take("model.embed_tokens.weight")
+        self.layers: list[Layer] = []
+        for i in range(cfg.num_layers):
+            a = f"model.layers.{i}.self_attn."
+            m = f"model.layers.{i}.mlp."
+            biases = [maybe(a + f"{n}_proj.bias") for n in "qkv"]
+            self.layers.append(Layer(
+                in_norm=take(f"model.layers.{i}.input_layernorm.weight"),
+                post_norm=take(f"model.layers.{i}.post_attention_layernorm.weight"),
+                w_qkv=torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]),
+                b_qkv=torch.cat(biases) if all(b is not None for b in biases) else None,
+                w_o=take(a + "o_proj.weight"), b_o=maybe(a + "o_proj.bias"),
+                q_norm=take(a + "q_norm.weight") if cfg.qk_norm else None,
+                k_norm=take(a + "k_norm.weight") if cfg.qk_norm else None,
+                w_gate_up=torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
+                w_down=take(m + "down_proj.weight")))
+        self.norm = take("model.norm.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings else weights.pop("lm_head.weight", self.embed)
+        # One float32 table for every position, indexed per step (same bits as computing
+        # position * inv_freq on the fly, as transformers does).
+        freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos_table, self.sin_table = emb.cos().to(device), emb.sin().to(device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w * F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_norm_eps).to(x.dtype)
+
+    def forward(self, input_ids: torch.Tensor, plan: StepPlan, kv: KVPool) -> torch.Tensor:
+        """input_ids [T] in the plan's internal order -> final hidden states [T, hidden]."""
+        cfg = self.cfg
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_w, kv_w = nh * hd, nkv * hd
+        cos = self.cos_table[plan.positions].to(self.dtype)[:, None, :]
+        sin = self.sin_table[plan.positions].to(self.dtype)[:, None, :]
+        half = hd // 2
+
+        def rope(x: torch.Tensor) -> torch.Tensor:
+            return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+        h = F.embedding(input_ids, self.embed)
+        T = h.shape[0]
+        for li, L in enumerate(self.layers):
+            x = self._rms(h, L.in_norm)
+            qkv = F.linear(x, L.w_qkv, L.b_qkv)
+            q = qkv[:, :q_w].view(T, nh, hd)
+            k = qkv[:, q_w:q_w + kv_w].view(T, nkv, hd)
+            v = qkv[:, q_w + kv_w:].view(T, nkv, hd)
+            if L.q_norm is not None:
+                q, k = self._rms(q, L.q_norm), self._rms(k, L.k_norm)
+            attn = paged_attention(rope(q), rope(k), v, kv.k[li], kv.v[li], plan, kv.page_size)
+            h = h + F.linear(attn.reshape(T, q_w), L.w_o, L.b_o)
+            x = self._rms(h, L.post_norm)
+            gu = F.linear(x, L.w_gate_up)
+            h = h + F.linear(F.silu(gu[:, :cfg.intermediate_size]) * gu[:, cfg.intermediate_size:], L.w_down)
+        return h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head on the rows that sample -> float32 [n, vocab]."""
+        return F.linear(self._rms(hidden, self.norm), self.lm_head).float()

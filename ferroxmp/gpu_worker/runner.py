@@ -1,0 +1,153 @@
+"""ModelRunner: execute one ForwardBatch (all its steps in one forward pass) and sample.
+
+Job: keep each row's known tokens, sampling parameters and seed; turn a batch's steps
+into one flat forward over the paged KV pool; sample the rows that ask; report.
+
+Invariants:
+- A row's token list is prompt (+ tokens generated before a retraction) + every token
+  this worker sampled for it; a step feeds tokens[start:start+length], so a decode step
+  (start = len - 1, length 1) feeds the last sampled token without the scheduler sending it.
+- A batch is validated whole before anything changes: a bad batch (unknown row, a start
+  past the known tokens, a sampling step that does not end at the last known token, a
+  page -1 or out of range where it must be read or written, a duplicate row) gets
+  `BatchResult(error=...)` and leaves every row as it was. The runner never raises.
+- Row state is committed only after the forward pass and sampling succeeded.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..protocol import BatchResult, ForwardBatch, ProtocolError, RowStep, SamplingParams, pack_ids, unpack_ids
+from ..radix.pages import PagePool
+from .attention import PlanError, build_plan
+from .kv_pool import KVPool
+from .loader import ModelConfig, load_config, load_weights, resolve_device
+from .models import build_model
+from .sampler import RowSample, logprobs_of, sample
+
+log = logging.getLogger("ferroxmp.worker")
+
+
+class BatchError(ValueError):
+    """The scheduler sent a batch that cannot be computed as asked."""
+
+
+@dataclass
+class RowState:
+    tokens: list[int]
+    prompt_len: int  # tokens known when the row was (re)started
+    params: SamplingParams
+    seed: int
+
+
+class ModelRunner:
+    def __init__(self, model_path: str, pool: PagePool, page_size: int, device: str = "auto",
+                 dtype: str = "auto"):
+        self.device = resolve_device(device)
+        self.config: ModelConfig = load_config(model_path, dtype)
+        weights = load_weights(model_path, self.device, self.config.dtype)
+        self.model = build_model(self.config, weights, self.device)
+        self.pool = pool
+        self.page_size = page_size
+        self.kv = KVPool.for_model(self.config, pool.num_pages, page_size, self.config.dtype, self.device)
+        self.rows: dict[int, RowState] = {}
+        self.last_logits: Optional[torch.Tensor] = None
+
+    def row_tokens(self, row: int) -> list[int]:
+        return list(self.rows[row].tokens)
+
+    def _stage_rows(self, batch: ForwardBatch) -> dict[int, RowState]:
+        staged: dict[int, RowState] = {}
+        for nr in batch.new_rows:
+            if not 0 <= nr.row < self.pool.max_rows:
+                raise BatchError(f"new row {nr.row} is not a row slot (0..{self.pool.max_rows - 1})")
+            if nr.row in staged:
+                raise BatchError(f"row {nr.row} is started twice in one batch")
+            ids = unpack_ids(nr.token_ids).tolist()
+            if not ids:
+                raise BatchError(f"new row {nr.row} has no tokens")
+            if min(ids) < 0 or max(ids) >= self.config.vocab_size:
+                raise BatchError(f"new row {nr.row} has a token id outside the vocabulary "
+                                 f"(0..{self.config.vocab_size - 1})")
+            staged[nr.row] = RowState(ids, nr.prompt_len or len(ids), nr.params, nr.seed)
+        return staged
+
+    def _check_steps(self, steps: list[RowStep], staged: dict[int, RowState]) -> None:
+        seen = set()
+        limit = self.config.max_position_embeddings
+        for s in steps:
+            state = staged.get(s.row) or self.rows.get(s.row)
+            if state is None:
+                raise BatchError(f"step names row {s.row}, which no NewRow started")
+            if s.row in seen:
+                raise BatchError(f"row {s.row} has two steps in one batch")
+            seen.add(s.row)
+            end = s.start + s.length
+            if s.length < 1 or s.start < 0 or end > len(state.tokens):
+                raise BatchError(f"row {s.row}: step [{s.start}, {end}) is outside its "
+                                 f"{len(state.tokens)} known tokens")
+            if s.sample and end != len(state.tokens):
+                raise BatchError(f"row {s.row}: a sampling step must end at its last known token "
+                                 f"({len(state.tokens)}), not at {end}")
+            if end > limit:
+                raise BatchError(f"row {s.row}: position {end - 1} is beyond the model's context ({limit})")
+
+    def execute(self, batch: ForwardBatch) -> BatchResult:
+        t0 = time.perf_counter()
+        try:
+            staged = self._stage_rows(batch)
+            self._check_steps(batch.steps, staged)
+            if not batch.steps:
+                self.rows.update(staged)
+                return BatchResult(batch_id=batch.batch_id, compute_s=time.perf_counter() - t0)
+            triples = [(s.row, s.start, s.length) for s in batch.steps]
+            # Copy the rows' table entries now: the scheduler may write other entries meanwhile.
+            table = np.array(self.pool.page_table)
+            plan = build_plan(triples, table, self.page_size, self.kv.num_pages,
+                              self.config.sliding_window, self.device)
+        except (BatchError, PlanError, ProtocolError) as e:
+            log.warning("batch %d refused: %s", batch.batch_id, e)
+            return BatchResult(batch_id=batch.batch_id, error=str(e))
+        try:
+            return self._run(batch, staged, plan, t0)
+        except Exception as e:  # a bug or OOM must not kill the worker; the scheduler decides
+            log.exception("batch %d failed", batch.batch_id)
+            return BatchResult(batch_id=batch.batch_id, error=f"worker failed: {type(e).__name__}: {e}")
+
+    def _run(self, batch: ForwardBatch, staged: dict[int, RowState], plan, t0: float) -> BatchResult:
+        state = {**self.rows, **staged}
+        ids: list[int] = []
+        for i in plan.order:
+            s = batch.steps[i]
+            ids.extend(state[s.row].tokens[s.start:s.start + s.length])
+        with torch.inference_mode():
+            hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device), plan, self.kv)
+            sampling = [i for i, s in enumerate(batch.steps) if s.sample]
+            if not sampling:
+                self.last_logits = torch.empty(0, self.config.vocab_size)
+                self.rows.update(staged)
+                return BatchResult(batch_id=batch.batch_id, compute_s=time.perf_counter() - t0)
+            index = torch.tensor([plan.last_index[i] for i in sampling], device=self.device)
+            logits = self.model.logits(hidden[index])
+            rows = [batch.steps[i].row for i in sampling]
+            want = [state[r] for r in rows]
+            chosen = sample(logits, [RowSample(st.params, st.seed, len(st.tokens),
+                                               st.tokens if st.params.has_penalties else None, st.prompt_len)
+                                     for st in want])
+            lp_rows = [j for j, st in enumerate(want) if st.params.logprobs is not None]
+            lps = logprobs_of(logits[lp_rows], chosen[lp_rows],
+                              [want[j].params.logprobs for j in lp_rows]) if lp_rows else []
+        tokens = chosen.tolist()
+        self.last_logits = logits.cpu()
+        self.rows.update(staged)
+        for r, tok in zip(rows, tokens):
+            self.rows[r].tokens.append(tok)
+        return BatchResult(batch_id=batch.batch_id, rows=pack_ids(rows), tokens=pack_ids(tokens),
+                           logprobs={rows[j]: lp for j, lp in zip(lp_rows, lps)},
+                           compute_s=time.perf_counter() - t0)

@@ -1,0 +1,152 @@
+"""The worker process: load the model, own the page pool's shared memory, compute batches.
+
+    python -m ferroxmp.gpu_worker.worker --run-dir DIR   (reads DIR/launch.json:
+    {"args": ServerArgs dict, "pool_name": str})
+
+Job: create the PagePool (owner) sized from the KV budget, bind PULL at the "worker"
+endpoint, PUSH results to "worker_results", PUSH Ready to "supervisor"; then execute
+every ForwardBatch and answer with a BatchResult, until Shutdown. It owns no policy.
+
+Invariants:
+- The pool's shared memory is unlinked on every exit path (return, exception, SIGTERM,
+  parent death).
+- It exits within ~2 s of its parent dying (PR_SET_PDEATHSIG where available, and a
+  getppid() check on every idle poll), never lingering as an orphan.
+- A malformed frame is logged and dropped; a bad batch gets an error result. Nothing a
+  peer sends can kill it.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import math
+import os
+import signal
+import sys
+from typing import Optional
+
+import torch
+import zmq
+
+from .. import protocol
+from ..config import ServerArgs
+from ..radix.pages import PagePool
+from .kv_pool import pages_for_budget
+from .loader import UnsupportedModel, load_config, resolve_device, weight_bytes
+from .runner import ModelRunner
+
+log = logging.getLogger("ferroxmp.worker")
+POLL_MS = 500
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM us when the parent dies (best effort)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def run_worker(args: dict, run_dir: str, pool_name: str) -> int:
+    sa = ServerArgs.from_dict(args)
+    parent = os.getppid()
+    _die_with_parent()
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    torch.set_num_threads(_cores())
+    model_path = sa.model
+    if model_path is None:
+        from ..tiny_model import ensure_demo_model
+        model_path = ensure_demo_model()
+    device = resolve_device(sa.device)
+    cfg = load_config(model_path, sa.dtype)
+    reserved = weight_bytes(model_path, cfg.dtype) if device.type == "cuda" else 0
+    num_pages = pages_for_budget(cfg, sa.page_size, cfg.dtype, sa.kv_pages, sa.kv_cache_gb,
+                                 sa.mem_fraction, device, reserved_bytes=reserved)
+    max_model_len = min(sa.max_model_len or math.inf, cfg.max_position_embeddings)
+    max_pages_per_row = math.ceil(max_model_len / sa.page_size)
+    pool: Optional[PagePool] = None
+    ctx: Optional[zmq.Context] = None
+    try:
+        pool = PagePool.create(num_pages, max_rows=sa.max_running_requests,
+                               max_pages_per_row=max_pages_per_row, name=pool_name)
+        runner = ModelRunner(model_path, pool, sa.page_size, device=sa.device, dtype=sa.dtype)
+        ends = protocol.endpoints(run_dir)
+        ctx = zmq.Context()
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(ends["worker"])
+        results = ctx.socket(zmq.PUSH)
+        results.connect(ends["worker_results"])
+        supervisor = ctx.socket(zmq.PUSH)
+        supervisor.connect(ends["supervisor"])
+        info = {"num_pages": num_pages, "page_size": sa.page_size, "max_model_len": int(max_model_len),
+                "max_rows": sa.max_running_requests, "max_pages_per_row": max_pages_per_row,
+                "vocab_size": cfg.vocab_size, "eos_token_ids": cfg.eos_token_ids,
+                "sliding_window": cfg.sliding_window, "model_type": cfg.model_type,
+                "dtype": cfg.dtype_name, "device": str(runner.device), "model_path": model_path}
+        supervisor.send(protocol.encode(protocol.Ready(name="worker", pid=os.getpid(), info=info)))
+        log.info("worker ready: %s", info)
+        return _serve(runner, pull, results, parent)
+    finally:
+        if ctx is not None:
+            ctx.destroy(linger=0)
+        if pool is not None:
+            pool.close()
+            pool.unlink()
+
+
+def _serve(runner: ModelRunner, pull: zmq.Socket, results: zmq.Socket, parent: int) -> int:
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    while True:
+        if not poller.poll(POLL_MS):
+            if os.getppid() != parent:
+                log.warning("parent %d is gone; exiting", parent)
+                return 1
+            continue
+        frame = pull.recv()
+        try:
+            msg = protocol.decode(frame)
+        except protocol.ProtocolError as e:
+            log.warning("dropped a malformed frame: %s", e)
+            continue
+        if isinstance(msg, protocol.ForwardBatch):
+            results.send(protocol.encode(runner.execute(msg)))
+        elif isinstance(msg, protocol.Shutdown):
+            log.info("shutdown: %s", msg.reason or "asked")
+            return 0
+        else:
+            log.warning("dropped an unexpected %s", type(msg).__name__)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ferroxmp.gpu_worker.worker")
+    p.add_argument("--run-dir", required=True)
+    a = p.parse_args(argv)
+    with open(os.path.join(a.run_dir, "launch.json"), encoding="utf-8") as f:
+        launch = json.load(f)
+    level = str(launch["args"].get("log_level", "info")).upper()
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s worker[%(process)d] %(levelname)s %(message)s")
+    try:
+        return run_worker(launch["args"], a.run_dir, launch["pool_name"])
+    except (UnsupportedModel, OSError, RuntimeError) as e:  # startup: say what, not a traceback
+        log.error("worker failed to start: %s", e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
