@@ -1,0 +1,224 @@
+"""The Flask app: HTTP routes of the OpenAI-compatible API and the native ones.
+
+Invariants: every error response is JSON in OpenAI's shape (never HTML, never a
+stack trace) and is logged with its request id; /v1/* and /generate require the
+API key when one is set; while draining or after a Shutdown, new generation
+requests get 503; every Generation is closed, and the in-flight count given
+back, however its response ends (done, error, client gone).
+"""
+from __future__ import annotations
+
+import hmac
+import itertools
+import logging
+import os
+import uuid
+from typing import Optional
+
+import jinja2
+import msgspec
+from flask import Flask, Response, g, request
+from werkzeug.exceptions import HTTPException
+
+from ferroxmp.frontend import schemas
+from ferroxmp.frontend.errors import ApiError, bad_param
+from ferroxmp.frontend.generation import ClientGone, Generation
+from ferroxmp.frontend.metrics import CONTENT_TYPE
+from ferroxmp.frontend.responses import SSE_DONE, Formatter, sse
+from ferroxmp.frontend.state import FrontendState
+
+log = logging.getLogger("ferroxmp.frontend")
+_json = msgspec.json.Encoder()
+_GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
+
+
+def _json_response(obj, status: int = 200) -> Response:
+    return Response(_json.encode(obj), status=status, mimetype="application/json")
+
+
+def _error_response(e: ApiError) -> Response:
+    log.warning("request %s: %d %s (param=%s)", getattr(g, "request_id", "-"), e.status, e.message, e.param)
+    return _json_response(e.body(), e.status)
+
+
+def create_app(state: FrontendState) -> Flask:
+    app = Flask("ferroxmp.frontend")
+    app.config["MAX_CONTENT_LENGTH"] = int(state.args.get("max_body_bytes") or 8 * 1024 * 1024)
+
+    @app.before_request
+    def _gate():
+        g.request_id = uuid.uuid4().hex[:24]
+        key = state.args.get("api_key")
+        path = request.path
+        if key and (path.startswith("/v1/") or path == "/generate"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+        if path in _GENERATE_PATHS and request.method == "POST":
+            if state.bridge.dead_reason is not None:
+                raise ApiError(503, f"the server is shutting down ({state.bridge.dead_reason})",
+                               code="shutting_down")
+            if state.draining:
+                raise ApiError(503, "server is shutting down; retry on another replica", code="shutting_down")
+
+    @app.after_request
+    def _tag(resp: Response):
+        resp.headers["X-Request-Id"] = g.get("request_id", "-")
+        return resp
+
+    @app.errorhandler(ApiError)
+    def _api_error(e: ApiError):
+        return _error_response(e)
+
+    @app.errorhandler(HTTPException)
+    def _http_error(e: HTTPException):
+        status = e.code or 500
+        message = {404: f"no route {request.method} {request.path}",
+                   405: f"{request.method} is not allowed on {request.path}",
+                   413: f"request body over {app.config['MAX_CONTENT_LENGTH']} bytes"}.get(status, e.description)
+        return _error_response(ApiError(status, message, code=e.name.lower().replace(" ", "_")))
+
+    @app.errorhandler(Exception)
+    def _crash(e: Exception):
+        log.exception("request %s: unhandled error", getattr(g, "request_id", "-"))
+        return _error_response(ApiError(500, "internal server error", code="internal_error"))
+
+    def body_json():
+        data = request.get_data(cache=False)
+        try:
+            return msgspec.json.decode(data)
+        except msgspec.DecodeError as e:
+            raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+
+    def check_model(model: Optional[str]) -> None:
+        if model is not None and model not in (state.model_name, state.args.get("model")):
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves "
+                           f"'{state.model_name}'", param="model", code="model_not_found")
+
+    def run(req: schemas.ApiRequest, prompts: list[list[int]], fmt: Formatter) -> Response:
+        params = [req.sampling_for(len(ids), state.max_model_len, state.pool_tokens) for ids in prompts]
+        disconnected = request.environ.get("waitress.client_disconnected") or (lambda: False)
+        gen = Generation(bridge=state.bridge, metrics=state.metrics,
+                         decode=None if req.kind == "generate" else state.codec.decode,
+                         request_id=g.request_id, prompts=prompts, params=params, n=req.n,
+                         stops=req.stop, is_disconnected=disconnected)
+        state.begin()
+        body: Optional[_SSEBody] = None
+        try:
+            gen.start()
+            deltas = gen.deltas()
+            first = next(deltas, None)  # waits: a refusal still gets its own HTTP status
+            if req.stream:
+                body = _SSEBody(state, gen, _events(gen, deltas, first, fmt, req.include_usage))
+                return Response(body, mimetype="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            for d in ([first] if first else []) + list(deltas):
+                fmt.add(d)
+            return _json_response(fmt.body(gen.usage))
+        except ClientGone:
+            log.info("request %s: client disconnected; aborted", g.request_id)
+            return Response(b"", status=499)
+        finally:
+            if body is None:  # otherwise the streamed body owns the cleanup
+                gen.close()
+                state.end()
+
+    @app.post("/v1/completions")
+    def completions():
+        req = schemas.parse_completion(body_json(), state.vocab_size)
+        check_model(req.model)
+        prompts = [state.codec.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
+        fmt = Formatter("completion", g.request_id, state.model_name, state.codec,
+                        top_logprobs=req.sampling.logprobs, n=req.n)
+        if req.echo:
+            fmt.echo_texts = [p if isinstance(p, str) else state.codec.decode(p) for p in req.prompts]
+            fmt.echo_ids = prompts
+        return run(req, prompts, fmt)
+
+    @app.post("/v1/chat/completions")
+    def chat_completions():
+        req = schemas.parse_chat(body_json(), state.vocab_size)
+        check_model(req.model)
+        try:
+            ids = state.codec.encode_chat(req.prompts[0], **req.chat_extra)
+        except jinja2.TemplateError as e:
+            raise bad_param("messages", f"the chat template refused these messages: {e}") from None
+        fmt = Formatter("chat", g.request_id, state.model_name, state.codec, top_logprobs=req.sampling.logprobs,
+                        n=req.n)
+        return run(req, [ids], fmt)
+
+    @app.post("/generate")
+    def generate():
+        req = schemas.parse_generate(body_json(), state.vocab_size)
+        fmt = Formatter("generate", g.request_id, state.model_name, state.codec, top_logprobs=req.sampling.logprobs)
+        return run(req, [list(req.prompts[0])], fmt)
+
+    @app.get("/v1/models")
+    def models():
+        return _json_response({"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "ferroxmp",
+            "root": state.args.get("model"), "max_model_len": state.max_model_len}]})
+
+    @app.get("/health")
+    def health():
+        if state.bridge.dead_reason is not None:
+            raise ApiError(503, f"the server is shutting down ({state.bridge.dead_reason})", code="shutting_down")
+        if state.draining:
+            raise ApiError(503, "server is shutting down", code="shutting_down")
+        if not state.bridge.heartbeat_fresh:
+            raise ApiError(503, "no heartbeat from the scheduler", code="scheduler_unavailable")
+        return _json_response({"status": "ok"})
+
+    @app.get("/server_info")
+    def server_info():
+        args = {**state.args, "api_key": "***" if state.args.get("api_key") else None}
+        return _json_response({
+            "model": state.model_name, "args": args, "worker_info": state.worker_info,
+            "in_flight": state.in_flight, "draining": state.draining,
+            "processes": {"frontend": os.getpid(), "scheduler": state.pids.get("scheduler"),
+                          "workers": list(state.pids.get("workers") or [])}})
+
+    @app.get("/metrics")
+    def metrics():
+        return Response(state.metrics.render(), mimetype=None, content_type=CONTENT_TYPE)
+
+    return app
+
+
+class _SSEBody:
+    """The streamed body; `close()` (which WSGI servers always call, also when the client
+    went away or iteration never started) releases the request exactly once."""
+
+    def __init__(self, state: FrontendState, gen: Generation, events):
+        self.state, self.gen, self.events = state, gen, events
+        self._released = False
+
+    def __iter__(self):
+        return self.events
+
+    def close(self) -> None:
+        try:
+            self.events.close()
+        finally:
+            if not self._released:
+                self._released = True
+                self.gen.close()
+                self.state.end()
+
+
+def _events(gen: Generation, deltas, first, fmt: Formatter, include_usage: bool):
+    """SSE events, one write per event."""
+    try:
+        for d in itertools.chain([first] if first is not None else [], deltas):
+            if not fmt.is_empty(d):
+                yield sse(fmt.chunk(d, include_usage))
+        if include_usage:
+            yield sse(fmt.usage_chunk(gen.usage))
+        yield SSE_DONE
+    except ApiError as e:
+        log.warning("request %s: stream ended by error %d: %s", gen.request_id, e.status, e.message)
+        yield sse(e.body())
+        yield SSE_DONE
+    except ClientGone:
+        log.info("request %s: client disconnected mid-stream; aborted", gen.request_id)

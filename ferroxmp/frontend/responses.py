@@ -1,0 +1,177 @@
+"""Responses: Generation deltas -> OpenAI (and native /generate) JSON shapes.
+
+One Formatter per endpoint kind builds the streamed chunk for a delta and, from
+the accumulated choices, the whole non-streamed body. Invariants: a streamed
+response's text concatenated per choice equals the non-streamed text for the
+same deltas; `usage` is the same dict in both; a chat stream opens each choice
+with `{"role": "assistant", "content": ""}`; logprob token strings come from the
+token's bytes, never from a re-tokenization.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import msgspec
+
+from ferroxmp.frontend.generation import Delta, TokenInfo
+from ferroxmp.frontend.tokenizer import TextCodec
+
+_json = msgspec.json.Encoder()
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class ChoiceText:
+    text: list[str] = field(default_factory=list)
+    tokens: list[TokenInfo] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class Formatter:
+    kind: str  # "completion" | "chat" | "generate"
+    request_id: str
+    model: str
+    codec: TextCodec
+    top_logprobs: Optional[int] = None  # None: the request asked for no logprobs
+    echo_texts: list[str] = field(default_factory=list)  # per prompt, when echo
+    echo_ids: list[list[int]] = field(default_factory=list)
+    n: int = 1
+    created: int = field(default_factory=lambda: int(time.time()))
+    acc: dict[int, ChoiceText] = field(default_factory=dict)
+    _opened: set = field(default_factory=set)
+
+    @property
+    def response_id(self) -> str:
+        return {"completion": "cmpl-", "chat": "chatcmpl-"}.get(self.kind, "") + self.request_id
+
+    def add(self, d: Delta) -> None:
+        c = self.acc.setdefault(d.index, ChoiceText())
+        c.text.append(d.text)
+        c.tokens.extend(d.tokens)
+        c.finish_reason = d.finish_reason or c.finish_reason
+
+    # ---- logprobs --------------------------------------------------------------------
+
+    def _completion_logprobs(self, index: int, tokens: list[TokenInfo], first: bool) -> Optional[dict]:
+        if self.top_logprobs is None:
+            return None
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        base = 0
+        if self.echo_texts:
+            base = len(self.echo_texts[index // self.n])
+            if first:  # prompt tokens: their logprobs are not computed, so they are null
+                offset = 0
+                for t in self.echo_ids[index // self.n]:
+                    out["tokens"].append(self.codec.token_text(t))
+                    out["token_logprobs"].append(None)
+                    out["top_logprobs"].append(None)
+                    out["text_offset"].append(offset)
+                    offset += len(self.codec.token_text(t))
+        for t in tokens:
+            lp = t.logprobs
+            out["tokens"].append(self.codec.token_text(t.token_id))
+            out["token_logprobs"].append(lp.token_logprob if lp else None)
+            out["top_logprobs"].append(
+                {self.codec.token_text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)} if lp else None)
+            out["text_offset"].append(base + t.text_offset)
+        return out
+
+    def _entry(self, token_id: int, logprob: Optional[float]) -> dict:
+        raw = self.codec.token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def _chat_logprobs(self, tokens: list[TokenInfo]) -> Optional[dict]:
+        if self.top_logprobs is None:
+            return None
+        content = []
+        for t in tokens:
+            lp = t.logprobs
+            e = self._entry(t.token_id, lp.token_logprob if lp else None)
+            e["top_logprobs"] = [self._entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs)] if lp else []
+            content.append(e)
+        return {"content": content}
+
+    # ---- streamed chunks -------------------------------------------------------------
+
+    def is_empty(self, d: Delta) -> bool:
+        """A delta whose text is still held back carries nothing a text client can use."""
+        return (self.kind != "generate" and not d.text and d.finish_reason is None
+                and self.top_logprobs is None)
+
+    def chunk(self, d: Delta, include_usage: bool) -> dict:
+        first = d.index not in self._opened
+        self._opened.add(d.index)
+        if self.kind == "generate":
+            out = {"output_ids": [t.token_id for t in d.tokens], "finish_reason": d.finish_reason}
+            if self.top_logprobs is not None:
+                out["logprobs"] = [_native_lp(t) for t in d.tokens]
+            return out
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": d.text} if first else {"content": d.text}
+            if d.finish_reason is not None and not d.text and not first:
+                delta = {}
+            choice = {"index": d.index, "delta": delta, "logprobs": self._chat_logprobs(d.tokens),
+                      "finish_reason": d.finish_reason}
+            obj = "chat.completion.chunk"
+        else:
+            text = d.text
+            if first and self.echo_texts:
+                text = self.echo_texts[d.index // self.n] + text
+            choice = {"index": d.index, "text": text,
+                      "logprobs": self._completion_logprobs(d.index, d.tokens, first),
+                      "finish_reason": d.finish_reason}
+            obj = "text_completion"
+        body = {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [choice]}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: dict) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [], "usage": usage}
+
+    # ---- whole responses -------------------------------------------------------------
+
+    def body(self, usage: dict) -> dict:
+        indices = sorted(self.acc)
+        if self.kind == "generate":
+            c = self.acc.get(0, ChoiceText())
+            out = {"output_ids": [t.token_id for t in c.tokens], "finish_reason": c.finish_reason,
+                   "prompt_tokens": usage["prompt_tokens"],
+                   "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
+            if self.top_logprobs is not None:
+                out["logprobs"] = [_native_lp(t) for t in c.tokens]
+            return out
+        choices = []
+        for i in indices:
+            c = self.acc[i]
+            text = "".join(c.text)
+            if self.kind == "chat":
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": self._chat_logprobs(c.tokens), "finish_reason": c.finish_reason})
+            else:
+                if self.echo_texts:
+                    text = self.echo_texts[i // self.n] + text
+                choices.append({"index": i, "text": text, "logprobs": self._completion_logprobs(i, c.tokens, True),
+                                "finish_reason": c.finish_reason})
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage}
+
+
+def _native_lp(t: TokenInfo) -> Optional[dict]:
+    lp = t.logprobs
+    if lp is None:
+        return None
+    return {"logprob": lp.token_logprob, "top_ids": lp.top_ids, "top_logprobs": lp.top_logprobs}

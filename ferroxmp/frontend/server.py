@@ -1,0 +1,171 @@
+"""The frontend process: waitress serving the Flask app, and its lifecycle.
+
+`python -m ferroxmp.frontend.server --run-dir DIR` reads DIR/launch.json
+({"args", "worker_info", "pids"}) and calls `run_frontend`. HTTP runs on a
+background thread; the main thread only watches for the ways the process ends:
+
+- SIGTERM / SIGINT: drain. New requests get 503, running ones finish (up to
+  args["shutdown_grace"] seconds), exit 0. A second signal exits at once.
+- Shutdown from the supervisor (another process died): every in-flight request
+  ends with an error, then exit 1.
+- The parent (supervisor) dies: PR_SET_PDEATHSIG and a getppid() poll, exit 1.
+
+Invariant: the supervisor hears `Ready(name="frontend", info={"port"})` only
+after the HTTP socket is bound and listening.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import resource
+import signal
+import sys
+import threading
+import time
+
+import waitress
+import zmq
+
+from ferroxmp import protocol
+from ferroxmp.config import setup_logging
+from ferroxmp.frontend.app import create_app
+from ferroxmp.frontend.bridge import Bridge
+from ferroxmp.frontend.metrics import Metrics
+from ferroxmp.frontend.state import FrontendState
+from ferroxmp.frontend.tokenizer import TextCodec
+
+log = logging.getLogger("ferroxmp.frontend")
+
+_WATCH_S = 0.2
+_SHUTDOWN_FLUSH_S = 2.0  # in-flight requests write their error; the supervisor waits 3 s for us
+
+
+def _die_with_parent() -> None:
+    # SIGHUP, not config.watch_parent's SIGTERM: SIGTERM means "drain for up to the grace
+    # period", while an orphan should go at once.
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGHUP)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass  # the getppid() poll still catches it
+
+
+def _raise_fd_limit() -> None:
+    # Each streaming client holds a socket; hundreds of them exceed a soft limit of 1024.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _send_ready(run_dir: str, port: int) -> None:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.LINGER, 2000)
+    s.connect(protocol.endpoints(run_dir)["supervisor"])
+    s.send(protocol.encode(protocol.Ready(name="frontend", pid=os.getpid(), info={"port": port})))
+    s.close()
+
+
+def _wait_until(cond, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def run_frontend(args: dict, run_dir: str, worker_info: dict, pids: dict) -> int:
+    """Serve until drained (0), told to shut down (1) or orphaned (1)."""
+    parent = os.getppid()
+    _die_with_parent()
+    _raise_fd_limit()
+    import prometheus_client
+    prometheus_client.disable_created_metrics()
+
+    signals = {"term": 0, "parent_gone": False}
+
+    def on_term(signum, frame):
+        signals["term"] += 1
+
+    def on_hup(signum, frame):
+        if os.getppid() != parent:
+            signals["parent_gone"] = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    signal.signal(signal.SIGHUP, on_hup)
+
+    codec = TextCodec(args["model"])
+    metrics = Metrics(int(worker_info.get("num_pages") or 0))
+    bridge = Bridge(run_dir, on_stats=metrics.update_stats)
+    bridge.start()
+    state = FrontendState(args=args, worker_info=worker_info, pids=pids, codec=codec, bridge=bridge,
+                          metrics=metrics)
+    threads = int(args.get("http_threads") or 64)
+    server = waitress.create_server(
+        create_app(state), host=args.get("host") or "127.0.0.1", port=int(args.get("port") or 0),
+        threads=threads, connection_limit=max(1000, 2 * threads), backlog=2048,
+        channel_request_lookahead=1,  # keeps reading while a request runs, so a disconnect is seen
+        asyncore_use_poll=True, ident="ferroxmp", clear_untrusted_proxy_headers=True)
+    port = int(server.effective_port)
+    threading.Thread(target=server.run, name="http", daemon=True).start()
+    log.info("frontend serving %s on http://%s:%d (%d threads)", state.model_name,
+             args.get("host"), port, threads)
+    _send_ready(run_dir, port)
+
+    code = 0
+    try:
+        while True:
+            time.sleep(_WATCH_S)
+            if signals["parent_gone"] or os.getppid() != parent:
+                log.error("the supervisor (pid %d) is gone; exiting", parent)
+                code = 1
+                break
+            if bridge.dead_reason is not None:
+                _wait_until(lambda: state.in_flight == 0, _SHUTDOWN_FLUSH_S)
+                code = 1
+                break
+            if signals["term"]:
+                state.draining = True
+                grace = float(args.get("shutdown_grace") or 0.0)
+                log.info("draining: %d request(s) in flight, up to %.0f s", state.in_flight, grace)
+                _wait_until(lambda: state.in_flight == 0 or signals["term"] > 1
+                            or bridge.dead_reason is not None, grace)
+                if state.in_flight:
+                    log.warning("stopping with %d request(s) still in flight", state.in_flight)
+                code = 1 if bridge.dead_reason is not None else 0
+                break
+    finally:
+        try:
+            server.close()
+        except Exception:  # the loop thread may be mid-poll; the process is exiting anyway
+            pass
+        bridge.close()
+    return code
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m ferroxmp.frontend.server")
+    parser.add_argument("--run-dir", required=True)
+    ns = parser.parse_args(argv)
+    with open(os.path.join(ns.run_dir, "launch.json"), encoding="utf-8") as f:
+        launch = json.load(f)
+    setup_logging("frontend", str(launch["args"].get("log_level") or "info"))
+    try:
+        code = run_frontend(launch["args"], ns.run_dir, launch["worker_info"], launch.get("pids") or {})
+    except Exception:
+        logging.getLogger("ferroxmp.frontend").exception("frontend failed")
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # waitress and zmq threads must not keep a finished process alive
+
+
+if __name__ == "__main__":
+    main()
