@@ -80,6 +80,13 @@ class SchedulerClient:
             assert time.time() < deadline, f"unfinished after {timeout}s: {[r for r in rids if r not in self.finals]}"
             self.pump()
 
+    def pump_until(self, done, timeout: float = 60.0) -> None:
+        deadline = time.time() + timeout
+        while not done():
+            self.sup._check_children()
+            assert time.time() < deadline, f"condition not met within {timeout}s; finals: {self.finals}"
+            self.pump()
+
     def generate(self, prompt: list[int], max_tokens: int = 8, **params) -> list[int]:
         rid = self.submit(prompt, max_tokens, **params)
         self.wait([rid])

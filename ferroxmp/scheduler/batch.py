@@ -40,8 +40,8 @@ def plan_batch(core: "SchedulerCore", now: float) -> Plan:
     for req in decoding:
         if budget <= 0:
             break
-        if req.retracting:
-            continue
+        if req.retracting or req.state != State.DECODING:
+            continue  # retracted earlier in this loop (and maybe released already)
         while not rows.grow(req, req.scheduled + 1):
             # A retraction still waiting on its batch in flight frees pages next step;
             # retracting more now would throw away work it alone may cover.

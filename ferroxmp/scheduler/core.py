@@ -143,7 +143,7 @@ class SchedulerCore:
         return batch
 
     def new_row(self, req: Request) -> NewRow:
-        return NewRow(req.row, pack_ids(req.tokens), req.params, req.seed)
+        return NewRow(req.row, pack_ids(req.tokens), req.params, req.seed, len(req.prompt))
 
     def retract(self, req: Request) -> None:
         """Free a decoding row's pages for older rows; it re-queues ahead of new work

@@ -1,0 +1,135 @@
+"""`ferroxmp serve` as users run it: a child dies, SIGTERM drains, the supervisor
+is SIGKILLed, and a fresh clone's `tools/serve` answers. Every case checks that
+nothing is left behind: no process, no /dev/shm segment, no run directory."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+import requests
+
+import socket
+
+from serverproc import ServerProcess, pid_alive, stream_lines
+
+
+def free_port_is(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = ("--page-size", "4", "--kv-pages", "512", "--max-running-requests", "16")
+
+
+def long_stream(url: str) -> requests.Response:
+    return requests.post(url + "/v1/completions", json={
+        "model": "llama", "prompt": "hello there", "max_tokens": 3000, "ignore_eos": True,
+        "stream": True}, stream=True, timeout=(5, 10))
+
+
+@pytest.mark.parametrize("victim", ["worker", "scheduler", "frontend"])
+def test_a_child_killed_mid_stream_ends_the_stream_and_the_server(tiny_models, victim):
+    """The client must see an error (an error event, or the connection ending
+    without [DONE]) within 10 s, not hang; the supervisor exits non-zero; nothing
+    survives."""
+    srv = ServerProcess(tiny_models["llama"], *FLAGS, "--max-model-len", "4096")
+    try:
+        resp = long_stream(srv.url)
+        events = stream_lines(resp)
+        next(events)  # the stream is running
+        os.kill(srv.pids[victim], signal.SIGKILL)
+        t0 = time.time()
+        outcome = "ended without [DONE]"
+        try:
+            for ev in events:
+                if ev == b"[DONE]":
+                    outcome = "done"
+                    break
+                if isinstance(ev, dict) and "error" in ev:
+                    outcome = "error event"
+                    break
+                assert time.time() - t0 < 10, "the stream went on after a process died"
+        except requests.RequestException as e:
+            outcome = f"connection error: {type(e).__name__}"
+        assert time.time() - t0 < 10, "the client waited over 10 s for an error"
+        assert outcome != "done", "a stream cut short by a dead process must not end as a success"
+        assert srv.wait_exit(15) != 0, "the supervisor must exit non-zero when a child died"
+        time.sleep(0.5)
+        assert srv.leftovers() == [], srv.log()
+    finally:
+        srv.stop()
+
+
+def test_sigterm_drains_running_requests_and_refuses_new_ones(tiny_models):
+    srv = ServerProcess(tiny_models["llama"], *FLAGS, "--shutdown-grace", "30")
+    try:
+        results: list = []
+
+        def run():
+            r = requests.post(srv.url + "/v1/completions", json={
+                "model": "llama", "prompt": "drain me", "max_tokens": 200, "ignore_eos": True}, timeout=60)
+            results.append(r)
+
+        threads = [threading.Thread(target=run) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        late = requests.post(srv.url + "/v1/completions", json={
+            "model": "llama", "prompt": "too late", "max_tokens": 4}, timeout=10)
+        assert late.status_code == 503 and "error" in late.json()
+        for t in threads:
+            t.join(60)
+        assert [r.status_code for r in results] == [200] * 3
+        assert all(r.json()["usage"]["completion_tokens"] == 200 for r in results)
+        assert srv.wait_exit(40) == 0
+        assert srv.leftovers() == [], srv.log()
+    finally:
+        srv.stop()
+
+
+def test_a_sigkilled_supervisor_takes_its_children_and_shared_memory_with_it(tiny_models):
+    srv = ServerProcess(tiny_models["llama"], *FLAGS)
+    try:
+        pids = srv.pids
+        srv.proc.kill()
+        srv.proc.wait()
+        deadline = time.time() + 10
+        while time.time() < deadline and (any(pid_alive(p) for p in pids.values())
+                                          or srv.leftovers()):
+            time.sleep(0.2)
+        assert not any(pid_alive(p) for p in pids.values()), "a child outlived the supervisor"
+        shm = [p for p in srv.leftovers() if p.startswith("/dev/shm")]
+        assert shm == [], "the shared-memory pool outlived the server"
+    finally:
+        srv.stop()
+
+
+def test_tools_serve_on_a_fresh_clone_with_no_arguments_answers_a_chat(tmp_path):
+    """The README's first command, as a new user runs it: a clean clone (its own
+    .venv bootstrapped from nothing), no flags, the built-in demo model."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", ROOT, str(clone)], check=True, timeout=120)
+    # No arguments at all, as the README says; the default port must then be free.
+    if free_port_is(30000) is False:
+        pytest.skip("port 30000 is taken on this machine")
+    srv = ServerProcess(None, cmd=[str(clone / "tools" / "serve")], ready_timeout=900, cwd=str(clone),
+                        port=30000)
+    try:
+        r = requests.post(srv.url + "/v1/chat/completions", json={
+            "model": srv.info.get("model", "ferroxmp-demo"),
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["role"] == "assistant"
+        assert r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        srv.stop()
