@@ -31,7 +31,7 @@ FLAGS = ("--page-size", "4", "--kv-pages", "512", "--max-running-requests", "16"
 
 def long_stream(url: str) -> requests.Response:
     return requests.post(url + "/v1/completions", json={
-        "model": "llama", "prompt": "hello there", "max_tokens": 3000, "ignore_eos": True,
+        "model": "llama", "prompt": "hello there", "max_tokens": 1500, "ignore_eos": True,
         "stream": True}, stream=True, timeout=(5, 10))
 
 
@@ -43,6 +43,7 @@ def test_a_child_killed_mid_stream_ends_the_stream_and_the_server(tiny_models, v
     srv = ServerProcess(tiny_models["llama"], *FLAGS, "--max-model-len", "4096")
     try:
         resp = long_stream(srv.url)
+        assert resp.status_code == 200, resp.text
         events = stream_lines(resp)
         next(events)  # the stream is running
         os.kill(srv.pids[victim], signal.SIGKILL)
