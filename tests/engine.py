@@ -22,14 +22,15 @@ from ferroxmp.scheduler.request import Request
 
 class LocalEngine:
     def __init__(self, model: str, num_pages: int = 64, page_size: int = 4, max_batch_tokens: int = 64,
-                 max_rows: int = 8, overlap: bool = False, radix: bool = True, max_model_len: int = 1024):
+                 max_rows: int = 8, overlap: bool = False, radix: bool = True, max_model_len: int = 1024,
+                 swa_release_interval: int = 32):
         self.pool = PagePool.create(num_pages, max_rows, -(-max_model_len // page_size))
         self.runner = ModelRunner(model, self.pool, page_size)
         cfg = self.runner.config
         self.core = SchedulerCore(self.pool, SchedulerConfig(
             page_size=page_size, max_batch_tokens=max_batch_tokens, max_model_len=max_model_len,
             vocab_size=cfg.vocab_size, eos_token_ids=tuple(cfg.eos_token_ids), radix=radix,
-            sliding_window=cfg.sliding_window))
+            sliding_window=cfg.sliding_window, swa_release_interval=swa_release_interval))
         self.overlap = overlap
         self.queue: deque[ForwardBatch] = deque()
         self.outputs: dict[str, list[int]] = {}
