@@ -90,6 +90,9 @@ class Supervisor:
 
     def _on_signal(self, signum, _frame) -> None:
         self.signalled = signum
+        front = self.children.get("frontend")
+        if front is not None and front.poll() is None:
+            front.send_signal(signal.SIGTERM)  # stop admitting now, not at the next poll
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -136,8 +139,7 @@ class Supervisor:
         """Stop admitting, let running requests finish (the frontend owns the grace
         period), then stop the scheduler and worker."""
         log.info("draining (grace %.0fs)", self.args.shutdown_grace)
-        front = self.children["frontend"]
-        front.send_signal(signal.SIGTERM)
+        front = self.children["frontend"]  # already sent SIGTERM by _on_signal (a second one means "now")
         deadline = time.time() + self.args.shutdown_grace + 5
         while front.poll() is None and time.time() < deadline:
             for name in ("worker", "scheduler"):

@@ -76,22 +76,22 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(tiny_models):
 
         def run():
             r = requests.post(srv.url + "/v1/completions", json={
-                "model": "llama", "prompt": "drain me", "max_tokens": 200, "ignore_eos": True}, timeout=60)
+                "model": "llama", "prompt": "drain me", "max_tokens": 800, "ignore_eos": True}, timeout=60)
             results.append(r)
 
         threads = [threading.Thread(target=run) for _ in range(3)]
         for t in threads:
             t.start()
-        time.sleep(0.3)
+        time.sleep(0.5)
         srv.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        time.sleep(0.5)
         late = requests.post(srv.url + "/v1/completions", json={
             "model": "llama", "prompt": "too late", "max_tokens": 4}, timeout=10)
         assert late.status_code == 503 and "error" in late.json()
         for t in threads:
             t.join(60)
         assert [r.status_code for r in results] == [200] * 3
-        assert all(r.json()["usage"]["completion_tokens"] == 200 for r in results)
+        assert all(r.json()["usage"]["completion_tokens"] == 800 for r in results)
         assert srv.wait_exit(40) == 0
         assert srv.leftovers() == [], srv.log()
     finally:

@@ -18,7 +18,7 @@ import time
 import zmq
 
 from ferroxmp.config import setup_logging, watch_parent
-from ferroxmp.protocol import (AbortReq, BatchResult, GenerateReq, ProtocolError, Ready, Shutdown,
+from ferroxmp.protocol import (AbortReq, BatchResult, GenerateReq, ProtocolError, Ready, RowOut, Shutdown,
                                TokenOut, decode, encode, endpoints)
 from ferroxmp.radix.pages import PagePool
 from ferroxmp.scheduler.core import SchedulerConfig, SchedulerCore
@@ -82,20 +82,28 @@ def run_scheduler(args: dict, run_dir: str, pool_name: str, worker_info: dict) -
     return 0
 
 
-def _drain_frontend(sock: zmq.Socket, core: SchedulerCore, now: float) -> bool:
-    """Take every queued frontend message. True when told to shut down."""
+def _messages(sock: zmq.Socket, source: str):
+    """Every message queued on `sock` now; malformed frames are logged and dropped."""
     while True:
         try:
             frame = sock.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            return False
+            return
         try:
-            msg = decode(frame.bytes)
+            yield decode(frame.bytes)
         except ProtocolError as e:
-            log.error("dropped a frame from the frontend: %s", e)
-            continue
+            log.error("dropped a frame from the %s: %s", source, e)
+
+
+def _drain_frontend(sock: zmq.Socket, core: SchedulerCore, now: float) -> bool:
+    """Take every queued frontend message. True when told to shut down."""
+    for msg in _messages(sock, "frontend"):
         if isinstance(msg, GenerateReq):
-            refusal = core.add_request(msg, now)
+            try:
+                refusal = core.add_request(msg, now)
+            except Exception as e:  # a malformed request must not take the scheduler down
+                log.exception("request %s refused: %s", msg.rid, e)
+                refusal = RowOut(msg.rid, finish_reason="error", status=400, error=f"malformed request: {e}")
             if refusal is not None:
                 core.outbox[msg.rid] = refusal
         elif isinstance(msg, AbortReq):
@@ -105,19 +113,11 @@ def _drain_frontend(sock: zmq.Socket, core: SchedulerCore, now: float) -> bool:
             return True
         else:
             log.error("unexpected %s from the frontend dropped", type(msg).__name__)
+    return False
 
 
 def _drain_worker(sock: zmq.Socket, core: SchedulerCore, now: float) -> None:
-    while True:
-        try:
-            frame = sock.recv(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return
-        try:
-            msg = decode(frame.bytes)
-        except ProtocolError as e:
-            log.error("dropped a frame from the worker: %s", e)
-            continue
+    for msg in _messages(sock, "worker"):
         if isinstance(msg, BatchResult):
             core.process_result(msg, now)
             if DEBUG_INTEGRITY:
