@@ -126,18 +126,22 @@ def setup_logging(process: str, level: str = "info") -> None:
         format=f"%(asctime)s %(levelname)s [{process}:%(process)d] %(name)s: %(message)s")
 
 
-def watch_parent():
-    """Arrange for this child to die with its parent, and return a liveness check.
+def watch_parent(sig: int = 15):
+    """Arrange for this child to get `sig` (default SIGTERM) when its parent exits, and
+    return a liveness check.
 
-    PR_SET_PDEATHSIG delivers SIGTERM when the parent exits (Linux); the returned
-    callable is the portable fallback, polled by the child's own loop."""
+    PR_SET_PDEATHSIG is Linux's; the returned callable is the portable fallback, polled
+    by the child's own loop. The frontend asks for SIGHUP, because SIGTERM means "drain"
+    there while an orphan should go at once."""
     import ctypes
     import signal
+    import sys
     parent = os.getppid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
     if os.getppid() != parent:  # died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), sig)
     return lambda: os.getppid() == parent

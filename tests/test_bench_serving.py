@@ -3,8 +3,9 @@
 They pin down the statistics (percentiles, TTFT, ITL, TPOT from known
 timestamps), the workload generators (shared prefixes really shared, multi-turn
 really resends the conversation), the request bodies each dialect gets, and the
-SSE client against a stub server in a thread. The test that runs the tool
-against a real ferroxmp server lives elsewhere.
+SSE client against a stub server in a thread. The last tests run the tool
+against a real `ferroxmp serve` on the tiny llama and check its token totals
+against the server's own Prometheus counters, an independent count.
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import requests
+
+from serverproc import ServerProcess
 
 _PATH = Path(__file__).resolve().parents[1] / "tools" / "bench_serving.py"
 _spec = importlib.util.spec_from_file_location("bench_serving", _PATH)
@@ -78,6 +82,18 @@ def test_summary_leaves_failures_out_and_counts_tokens_only_from_usage():
     assert s["ttft_ms"]["mean"] == pytest.approx(200.0)  # (100 + 300) / 2, the failed 8000 left out
     assert s["itl_ms"]["median"] == pytest.approx(600.0)  # gaps 300, 600, 1700
     assert s["tpot_ms"]["mean"] == pytest.approx(450.0)  # only `good` has usage
+
+
+def test_ttft_splits_into_cold_and_warm_by_the_share_of_the_prompt_served_from_cache():
+    """Warm means at least half the prompt was cached; a server that reports no cached_tokens
+    (the peer) puts nothing on either side rather than everything on the cold one."""
+    cold = bench.RequestResult(0.0, 1.0, [0.5, 1.0], "", 100, 2, cached_tokens=48)
+    warm = bench.RequestResult(0.0, 1.0, [0.1, 1.0], "", 100, 2, cached_tokens=50)
+    silent = bench.RequestResult(0.0, 1.0, [0.9, 1.0], "", 100, 2)
+    assert (cold.warm, warm.warm, silent.warm) == (False, True, None)
+    s = bench.summarize([cold, warm, silent], duration=1.0)
+    assert s["ttft_cold_ms"]["mean"] == pytest.approx(500.0)
+    assert s["ttft_warm_ms"]["mean"] == pytest.approx(100.0)
 
 
 def test_the_comparison_table_shows_a_over_b_ratios():
@@ -248,3 +264,101 @@ def test_http_errors_and_error_events_fail_the_request(stub_url):
     assert not broken.ok and "worker died" in broken.error
     refused = bench.stream_request("http://127.0.0.1:9", "chat", {"model": "m"}, timeout=2)
     assert not refused.ok
+
+
+# ---- against the real server --------------------------------------------------------
+
+def _metrics(url: str) -> dict[str, float]:
+    """Unlabelled ferroxmp_* samples of /metrics (counters and gauges)."""
+    text = requests.get(url + "/metrics", timeout=5).text
+    return {name: float(value) for name, _, value in
+            (line.partition(" ") for line in text.splitlines() if line.startswith("ferroxmp_"))
+            if "{" not in name}
+
+
+def _settled_metrics(url: str, timeout: float = 20.0) -> dict[str, float]:
+    """/metrics once nothing runs or waits and two reads a heartbeat apart agree: the
+    scheduler publishes its counters with a heartbeat (>= 1/s), so one read may lag."""
+    deadline = time.monotonic() + timeout
+    last = _metrics(url)
+    while time.monotonic() < deadline:
+        time.sleep(1.1)
+        now = _metrics(url)
+        if now == last and now["ferroxmp_requests_running"] == 0 and now["ferroxmp_requests_waiting"] == 0:
+            return now
+        last = now
+    raise TimeoutError(f"/metrics did not settle within {timeout}s: {last}")
+
+
+@pytest.fixture(scope="module")
+def ferroxmp_server(tiny_models):
+    server = ServerProcess(tiny_models["llama"], "--page-size", "4", "--kv-pages", "1024")
+    try:
+        yield server
+    finally:
+        server.stop()
+        left = server.leftovers()
+        assert not left, f"left behind after stop: {left}"
+
+
+def _run_tool(url: str, tmp_path, *argv: str) -> tuple[dict, dict, dict]:
+    """(tool report, /metrics before, /metrics after), both reads settled."""
+    before = _settled_metrics(url)
+    out = tmp_path / "report.json"
+    assert bench.main(["--base-url", url, "--out", str(out), "--timeout", "60", *argv]) == 0
+    after = _settled_metrics(url)
+    return json.loads(out.read_text()), before, after
+
+
+def _usage_total(records: list[dict], key: str) -> int:
+    return sum(r[key] or 0 for r in records)
+
+
+@pytest.mark.timeout(120)
+def test_the_tools_token_totals_equal_the_servers_own_counters(ferroxmp_server, tmp_path):
+    """The tool's prompt/completion totals (usage, warmup included via the report's warmup
+    records) must equal the growth of the scheduler's counters, and the completion total must
+    be exactly the seeded output lengths (ignore_eos). A client that double-counted a usage
+    chunk, dropped the last one, or summed the wrong field would miss by whole requests."""
+    url = ferroxmp_server.url
+    argv = ["--workload", "random", "--num-prompts", "12", "--input-len", "40", "--output-len", "12",
+            "--range-ratio", "0.5", "--max-concurrency", "4", "--seed", "5", "--warmup", "1"]
+    report, before, after = _run_tool(url, tmp_path, *argv)
+    summary, warmup = report["summaries"]["A"], report["warmup"]["A"]
+    assert (summary["completed"], summary["failed"], summary["no_usage"]) == (12, 0, 0)
+    assert len(warmup) == 1 and warmup[0]["ok"]
+    grew = {k: after[k] - before[k] for k in after}
+    assert grew["ferroxmp_prompt_tokens_total"] == summary["prompt_tokens"] + _usage_total(warmup, "prompt_tokens")
+    assert grew["ferroxmp_generation_tokens_total"] == (summary["completion_tokens"]
+                                                        + _usage_total(warmup, "completion_tokens"))
+    expected_out = sum(n for job in bench.build_jobs(bench.parse_args(argv)) for n in job.output_lens)
+    assert summary["completion_tokens"] == expected_out
+    # The tool's own /metrics reading (rounds only, no warmup) agrees with the usage totals.
+    assert summary["server"]["ferroxmp_prompt_tokens_total"] == summary["prompt_tokens"]
+    assert summary["server"]["ferroxmp_generation_tokens_total"] == summary["completion_tokens"]
+    assert 0 < summary["worker_busy_share"] <= 1.0
+
+
+@pytest.mark.timeout(120)
+def test_a_shared_prefix_run_shows_cache_hits_on_the_servers_counters(ferroxmp_server, tmp_path):
+    """Groups sharing a 64-word system prompt, sent one at a time: every request after a
+    group's first must adopt the shared pages, so the server's cached-token counter grows by
+    what the replies' usage reported, and the tool sees both cold and warm first tokens."""
+    url = ferroxmp_server.url
+    report, before, after = _run_tool(
+        url, tmp_path, "--workload", "shared-prefix", "--num-groups", "2", "--prompts-per-group", "4",
+        "--system-prompt-len", "64", "--question-len", "8", "--output-len", "6",
+        "--max-concurrency", "1", "--seed", "9", "--warmup", "1", "--no-server-metrics")
+    summary, warmup = report["summaries"]["A"], report["warmup"]["A"]
+    assert (summary["completed"], summary["failed"]) == (8, 0)
+    grew = {k: after[k] - before[k] for k in after}
+    assert grew["ferroxmp_prompt_tokens_total"] == summary["prompt_tokens"] + _usage_total(warmup, "prompt_tokens")
+    assert grew["ferroxmp_generation_tokens_total"] == (summary["completion_tokens"]
+                                                        + _usage_total(warmup, "completion_tokens"))
+    cached = grew["ferroxmp_cached_prompt_tokens_total"]
+    assert cached == summary["cached_tokens"] + _usage_total(warmup, "cached_tokens")
+    # 6 warm requests, each adopting at least the page-aligned 64-word prefix (>= 1 token/word).
+    assert cached >= 6 * 60
+    requests_ = report["requests"]["A"]
+    assert sum(1 for r in requests_ if r["cached_tokens"] * 2 < r["prompt_tokens"]) == 2  # a group's first
+    assert summary["ttft_cold_ms"]["mean"] is not None and summary["ttft_warm_ms"]["mean"] is not None

@@ -646,7 +646,7 @@ def test_a_silent_scheduler_fails_health_and_waiting_requests_with_503(own_fe):
     t0 = time.monotonic()
     r = _post(fe, "/v1/completions", {"prompt": "a"})
     assert_error(r, 503)
-    assert 3.0 < time.monotonic() - t0 < 9.0
+    assert 3.0 < time.monotonic() - t0 < 20.0  # ~5 s; generous: a loaded CI box is slow
     assert_error(requests.get(fe.url + "/health", timeout=5), 503)
     fe.fake.frozen = False
     fe.fake.wait_for(lambda: requests.get(fe.url + "/health", timeout=5).status_code == 200, 5, "recovery")

@@ -11,12 +11,19 @@ incomplete UTF-8 sequence) is held back until the next token completes it or
 `decode(all ids)` for tokenizers whose decode is a concatenation of pieces
 (byte-level BPE, sentencepiece with byte fallback).
 
+CharOffsets: where each token's text starts, in characters, for completions'
+`text_offset`. Invariant: offsets index the text the detokenizer emits, also
+after a token that holds only part of a character (it is placed at that
+character) or an invalid byte (one U+FFFD per maximal invalid run, as decode
+writes it).
+
 StopMatcher: finds the earliest stop string in the text stream even when it
 spans chunks, and holds back any tail that could still become a stop string so
 a streamed client never sees text that is later trimmed.
 """
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -65,6 +72,23 @@ class Detokenizer:
     def check_integrity(self) -> None:
         if not 0 <= self.prefix <= self.read <= len(self.ids):
             raise AssertionError(f"offsets out of order: prefix={self.prefix} read={self.read} ids={len(self.ids)}")
+
+
+@dataclass
+class CharOffsets:
+    chars: int = 0  # characters the bytes fed so far decode to (an incomplete tail not counted)
+    _utf8: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+
+    def offset_of(self, piece: bytes) -> int:
+        """The character index where a token with these bytes starts; feeds them."""
+        if not piece:
+            return self.chars
+        out = self._utf8.decode(piece[:1])
+        # With bytes still pending, the first byte belongs to the character being built
+        # (which starts after `out`); otherwise it ended the last character of `out`.
+        at = self.chars + len(out) - (0 if self._utf8.getstate()[0] else 1)
+        self.chars += len(out) + len(self._utf8.decode(piece[1:]))
+        return at
 
 
 @dataclass

@@ -42,7 +42,6 @@ class ClientGone(Exception):
 class TokenInfo:
     token_id: int
     logprobs: Optional[Logprobs]
-    text_offset: int  # characters of this choice's text before the token
 
 
 @dataclass
@@ -167,7 +166,7 @@ class Generation:
         pieces, tokens = [], []
         lps = out.logprobs or []
         for k, t in enumerate(ids):
-            tokens.append(TokenInfo(t, lps[k] if k < len(lps) else None, c.detok.emitted_chars))
+            tokens.append(TokenInfo(t, lps[k] if k < len(lps) else None))
             c.n_tokens += 1
             if self.decode is None:
                 continue

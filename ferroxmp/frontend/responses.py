@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import msgspec
 
+from ferroxmp.frontend.detokenizer import CharOffsets
 from ferroxmp.frontend.generation import Delta, TokenInfo
 from ferroxmp.frontend.tokenizer import TextCodec
 
@@ -48,6 +49,7 @@ class Formatter:
     created: int = field(default_factory=lambda: int(time.time()))
     acc: dict[int, ChoiceText] = field(default_factory=dict)
     _opened: set = field(default_factory=set)
+    _offsets: dict[int, CharOffsets] = field(default_factory=dict)  # per choice, across chunks
 
     @property
     def response_id(self) -> str:
@@ -69,21 +71,25 @@ class Formatter:
         if self.echo_texts:
             base = len(self.echo_texts[index // self.n])
             if first:  # prompt tokens: their logprobs are not computed, so they are null
-                offset = 0
+                prompt_offsets = CharOffsets()
                 for t in self.echo_ids[index // self.n]:
                     out["tokens"].append(self.codec.token_text(t))
                     out["token_logprobs"].append(None)
                     out["top_logprobs"].append(None)
-                    out["text_offset"].append(offset)
-                    offset += len(self.codec.token_text(t))
+                    out["text_offset"].append(prompt_offsets.offset_of(self._text_bytes(t)))
+        offsets = self._offsets.setdefault(index, CharOffsets())
         for t in tokens:
             lp = t.logprobs
             out["tokens"].append(self.codec.token_text(t.token_id))
             out["token_logprobs"].append(lp.token_logprob if lp else None)
             out["top_logprobs"].append(
                 {self.codec.token_text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)} if lp else None)
-            out["text_offset"].append(base + t.text_offset)
+            out["text_offset"].append(base + offsets.offset_of(self._text_bytes(t.token_id)))
         return out
+
+    def _text_bytes(self, token_id: int) -> bytes:
+        # Special tokens are skipped when the text is decoded: they take no characters.
+        return b"" if self.codec.is_special(token_id) else self.codec.token_bytes(token_id)
 
     def _entry(self, token_id: int, logprob: Optional[float]) -> dict:
         raw = self.codec.token_bytes(token_id)

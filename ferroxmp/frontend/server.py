@@ -16,7 +16,6 @@ after the HTTP socket is bound and listening.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
@@ -30,7 +29,7 @@ import waitress
 import zmq
 
 from ferroxmp import protocol
-from ferroxmp.config import setup_logging
+from ferroxmp.config import setup_logging, watch_parent
 from ferroxmp.frontend.app import create_app
 from ferroxmp.frontend.bridge import Bridge
 from ferroxmp.frontend.metrics import Metrics
@@ -41,17 +40,6 @@ log = logging.getLogger("ferroxmp.frontend")
 
 _WATCH_S = 0.2
 _SHUTDOWN_FLUSH_S = 2.0  # in-flight requests write their error; the supervisor waits 3 s for us
-
-
-def _die_with_parent() -> None:
-    # SIGHUP, not config.watch_parent's SIGTERM: SIGTERM means "drain for up to the grace
-    # period", while an orphan should go at once.
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGHUP)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass  # the getppid() poll still catches it
 
 
 def _raise_fd_limit() -> None:
@@ -82,7 +70,7 @@ def _wait_until(cond, timeout: float) -> bool:
 def run_frontend(args: dict, run_dir: str, worker_info: dict, pids: dict) -> int:
     """Serve until drained (0), told to shut down (1) or orphaned (1)."""
     parent = os.getppid()
-    _die_with_parent()
+    watch_parent(signal.SIGHUP)
     _raise_fd_limit()
     import prometheus_client
     prometheus_client.disable_created_metrics()

@@ -18,7 +18,6 @@ Invariants:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import math
@@ -31,7 +30,7 @@ import torch
 import zmq
 
 from .. import protocol
-from ..config import ServerArgs
+from ..config import ServerArgs, watch_parent
 from ..radix.pages import PagePool
 from .kv_pool import pages_for_budget
 from .loader import UnsupportedModel, load_config, resolve_device, weight_bytes
@@ -39,15 +38,6 @@ from .runner import ModelRunner
 
 log = logging.getLogger("ferroxmp.worker")
 POLL_MS = 500
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM us when the parent dies (best effort)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        pass
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
@@ -63,8 +53,7 @@ def _cores() -> int:
 
 def run_worker(args: dict, run_dir: str, pool_name: str) -> int:
     sa = ServerArgs.from_dict(args)
-    parent = os.getppid()
-    _die_with_parent()
+    parent_alive = watch_parent(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _on_sigterm)
     torch.set_num_threads(_cores())
     model_path = sa.model
@@ -99,7 +88,7 @@ def run_worker(args: dict, run_dir: str, pool_name: str) -> int:
                 "dtype": cfg.dtype_name, "device": str(runner.device), "model_path": model_path}
         supervisor.send(protocol.encode(protocol.Ready(name="worker", pid=os.getpid(), info=info)))
         log.info("worker ready: %s", info)
-        return _serve(runner, pull, results, parent)
+        return _serve(runner, pull, results, parent_alive)
     finally:
         if ctx is not None:
             ctx.destroy(linger=0)
@@ -108,13 +97,13 @@ def run_worker(args: dict, run_dir: str, pool_name: str) -> int:
             pool.unlink()
 
 
-def _serve(runner: ModelRunner, pull: zmq.Socket, results: zmq.Socket, parent: int) -> int:
+def _serve(runner: ModelRunner, pull: zmq.Socket, results: zmq.Socket, parent_alive) -> int:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     while True:
         if not poller.poll(POLL_MS):
-            if os.getppid() != parent:
-                log.warning("parent %d is gone; exiting", parent)
+            if not parent_alive():
+                log.warning("the supervisor is gone; exiting")
                 return 1
             continue
         frame = pull.recv()

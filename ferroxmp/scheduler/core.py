@@ -124,7 +124,7 @@ class SchedulerCore:
             del self.requests[req.rid]
             self.outbox[req.rid] = RowOut(
                 req.rid, finish_reason="error", status=503, prompt_tokens=len(req.prompt),
-                error=f"the request waited {now - req.arrival:.1f}s for KV pages without being "
+                error=f"the request waited {now - req.arrival:.1f}s for a free row or KV pages without being "
                       f"admitted (--queue-timeout {self.cfg.queue_timeout:g}s): retry later")
 
     # -- batches out ---------------------------------------------------------------
