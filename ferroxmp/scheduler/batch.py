@@ -64,8 +64,6 @@ def plan_batch(core: "SchedulerCore", now: float) -> Plan:
         plan.add(req, chunk, req.scheduled + chunk == req.prefill_target, pool)
         budget -= chunk
 
-    if core.draining and not core.waiting:
-        return plan
     reserve = len(decoding)  # one page of headroom per decoding row before admitting more
     for req, blocking in admission_order(core.waiting, now, core.cfg.aging_s, rows.match):
         if budget <= 0 or not rows.free_rows:

@@ -59,7 +59,6 @@ class SchedulerCore:
     outbox: dict[str, RowOut] = field(default_factory=dict)
     totals: Stats = field(default_factory=Stats)
     next_batch_id: int = 0
-    draining: bool = False
 
     def __post_init__(self) -> None:
         tree = RadixCache(self.pool, self.cfg.page_size) if self.cfg.radix else None
@@ -85,14 +84,13 @@ class SchedulerCore:
         return None
 
     def add_request(self, msg: GenerateReq, now: float) -> Optional[RowOut]:
-        """Queue a request, or return the refusal (400: can never fit; 503: draining)."""
+        """Queue a request, or return its refusal (400: it can never fit)."""
         ids = unpack_ids(msg.input_ids).tolist()
         why = self.refusal(msg, len(ids))
         if why is None and ids and (min(ids) < 0 or max(ids) >= self.cfg.vocab_size):
             why = f"token ids must be in [0, {self.cfg.vocab_size}); got {min(ids)}..{max(ids)}"
-        if why is not None or self.draining:
-            out = RowOut(msg.rid, finish_reason="error", status=400 if why else 503,
-                         error=why or "the server is shutting down", prompt_tokens=len(ids))
+        if why is not None:
+            out = RowOut(msg.rid, finish_reason="error", status=400, error=why, prompt_tokens=len(ids))
             log.info("refused %s: %s", msg.rid, out.error)
             return out
         seed = msg.params.seed if msg.params.seed is not None else self._rng.getrandbits(31)
