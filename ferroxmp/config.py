@@ -134,7 +134,6 @@ def watch_parent(sig: int = 15):
     by the child's own loop. The frontend asks for SIGHUP, because SIGTERM means "drain"
     there while an orphan should go at once."""
     import ctypes
-    import signal
     import sys
     parent = os.getppid()
     if sys.platform.startswith("linux"):

@@ -64,3 +64,4 @@ def test_an_aged_request_is_admitted_before_newer_cache_hits(engine):
     eng.build()
     assert [r.rid for r in eng.core.rows.live.values()] == [cold]
     eng.run_to_idle()
+    assert cold in eng.finish and warm in eng.finish

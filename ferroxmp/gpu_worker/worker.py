@@ -30,7 +30,7 @@ import torch
 import zmq
 
 from .. import protocol
-from ..config import ServerArgs, watch_parent
+from ..config import ServerArgs, setup_logging, watch_parent
 from ..radix.pages import PagePool
 from .kv_pool import pages_for_budget
 from .loader import UnsupportedModel, load_config, resolve_device, weight_bytes
@@ -127,9 +127,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = p.parse_args(argv)
     with open(os.path.join(a.run_dir, "launch.json"), encoding="utf-8") as f:
         launch = json.load(f)
-    level = str(launch["args"].get("log_level", "info")).upper()
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s worker[%(process)d] %(levelname)s %(message)s")
+    setup_logging("worker", str(launch["args"].get("log_level", "info")))
     try:
         return run_worker(launch["args"], a.run_dir, launch["pool_name"])
     except (UnsupportedModel, OSError, RuntimeError) as e:  # startup: say what, not a traceback

@@ -11,7 +11,7 @@ The scheduler's only writer of the page pool and the radix tree. Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Optional
 
 from ferroxmp.radix.pages import PagePool
 from ferroxmp.radix.tree import RadixCache
