@@ -65,3 +65,17 @@ def test_an_aged_request_is_admitted_before_newer_cache_hits(engine):
     assert [r.rid for r in eng.core.rows.live.values()] == [cold]
     eng.run_to_idle()
     assert cold in eng.finish and warm in eng.finish
+
+
+def test_requests_arriving_together_with_one_prefix_compute_it_once(engine):
+    """A burst sharing a system prompt: the first computes the prefix; the others
+    wait for it to be published and adopt it, rather than all prefilling it side by
+    side (where nothing is in the tree yet for anyone to adopt)."""
+    eng = engine(num_pages=256, max_batch_tokens=32, max_rows=8)
+    system = list(range(5, 105))
+    rids = [eng.submit(system + [200 + i, 300 + i], 4, ignore_eos=True) for i in range(4)]
+    reqs = [eng.request(r) for r in rids]
+    eng.run_to_idle()
+    cached = sorted(r.cached_tokens for r in reqs)
+    assert cached[0] == 0 and all(c >= 100 // 4 * 4 for c in cached[1:]), cached
+    assert eng.core.totals.prompt_tokens - eng.core.totals.cached_prompt_tokens <= 102 + 3 * 4

@@ -77,6 +77,6 @@ def test_random_lifecycles_keep_every_page_accounted_for(model):
             finally:
                 self.eng.close()
 
-    Lifecycle.TestCase.settings = settings(max_examples=25, stateful_step_count=30, deadline=None,
+    Lifecycle.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                            suppress_health_check=list(HealthCheck))
     Lifecycle.TestCase().runTest()

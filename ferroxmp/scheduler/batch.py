@@ -3,13 +3,14 @@
 Order matters and is the policy: decode rows first (one token each, oldest
 first), so a long prompt being prefilled never stalls anyone's stream; then
 chunks of rows already prefilling; then new admissions, each with its first
-chunk. When a decode row needs a page the pool cannot give even after
+chunk — except a request whose prefix another row is prefilling right now: it
+waits for that prefix to be published and adopts it instead of computing it twice. When a decode row needs a page the pool cannot give even after
 eviction, the youngest decoding rows are retracted until it can.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from ferroxmp.protocol import NewRow, RowStep
 from ferroxmp.scheduler.policy import admission_order
@@ -65,9 +66,18 @@ def plan_batch(core: "SchedulerCore", now: float) -> Plan:
         budget -= chunk
 
     reserve = len(decoding)  # one page of headroom per decoding row before admitting more
+    ps = core.cfg.page_size
+    # Until its last chunk reports back (computed, not merely scheduled), a prefix is
+    # not in the tree yet.
+    in_prefill = {_prefix_key(r, ps) for r in rows.live.values() if r.computed < r.prefill_target}
     for req, blocking in admission_order(core.waiting, now, core.cfg.aging_s, rows.match):
         if budget <= 0 or not rows.free_rows:
             break
+        key = _prefix_key(req, ps)
+        if key is not None and key in in_prefill and not blocking and rows.tree is not None:
+            # A row is prefilling this very prefix right now: admitted next to it, this
+            # request would compute it again; once it is published, it adopts it instead.
+            continue
         first = req.admitted_at is None
         if not rows.admit(req, now, reserve):
             if blocking:
@@ -81,4 +91,12 @@ def plan_batch(core: "SchedulerCore", now: float) -> Plan:
         chunk = min(req.prefill_target - req.scheduled, budget)
         plan.add(req, chunk, req.scheduled + chunk == req.prefill_target, pool)
         budget -= chunk
+        in_prefill.add(key)
     return plan
+
+
+def _prefix_key(req: Request, page_size: int) -> Optional[tuple[int, ...]]:
+    """The first two pages of a prompt: enough to tell requests that share a system
+    prompt, short enough to be cheap. None for prompts too short to share a page."""
+    n = 2 * page_size
+    return tuple(req.prompt[:n]) if len(req.prompt) > n else None

@@ -169,10 +169,10 @@ class SchedulerCore:
                 self._emit(req)
                 continue
             req.computed = max(req.computed, step.start + step.length)
+            if step.start < req.prefill_target and req.state != State.FINISHED and not req.retracting:
+                self.rows.publish(req)  # a finished prefill chunk is shared at once (contract 1)
             if step.sample and req.state != State.FINISHED:
                 self._append(req, sampled[step.row], res.logprobs.get(step.row))
-            elif not step.sample and req.state != State.FINISHED and not req.retracting:
-                self.rows.publish(req)  # a finished chunk is shared at once (contract 1)
         for req, _ in steps:
             self._release_if_done(req)
 
