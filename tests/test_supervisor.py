@@ -69,30 +69,40 @@ def test_a_child_killed_mid_stream_ends_the_stream_and_the_server(tiny_models, v
         srv.stop()
 
 
+def running(url: str) -> float:
+    for line in requests.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith("ferroxmp_requests_running "):
+            return float(line.split()[1])
+    return 0.0
+
+
 def test_sigterm_drains_running_requests_and_refuses_new_ones(tiny_models):
-    srv = ServerProcess(tiny_models["llama"], *FLAGS, "--shutdown-grace", "30")
+    srv = ServerProcess(tiny_models["llama"], *FLAGS, "--shutdown-grace", "120")
     try:
         results: list = []
 
         def run():
             r = requests.post(srv.url + "/v1/completions", json={
-                "model": "llama", "prompt": "drain me", "max_tokens": 800, "ignore_eos": True}, timeout=60)
+                "model": "llama", "prompt": "drain me", "max_tokens": 600, "ignore_eos": True}, timeout=150)
             results.append(r)
 
         threads = [threading.Thread(target=run) for _ in range(3)]
         for t in threads:
             t.start()
-        time.sleep(0.5)
+        deadline = time.time() + 30
+        while running(srv.url) < 3:  # all three are admitted and running
+            assert time.time() < deadline, "the requests never started"
+            time.sleep(0.05)
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         late = requests.post(srv.url + "/v1/completions", json={
             "model": "llama", "prompt": "too late", "max_tokens": 4}, timeout=10)
         assert late.status_code == 503 and "error" in late.json()
         for t in threads:
-            t.join(60)
+            t.join(150)
         assert [r.status_code for r in results] == [200] * 3
-        assert all(r.json()["usage"]["completion_tokens"] == 800 for r in results)
-        assert srv.wait_exit(40) == 0
+        assert all(r.json()["usage"]["completion_tokens"] == 600 for r in results)
+        assert srv.wait_exit(60) == 0
         assert srv.leftovers() == [], srv.log()
     finally:
         srv.stop()
