@@ -336,7 +336,11 @@ def test_the_tools_token_totals_equal_the_servers_own_counters(ferroxmp_server, 
     # The tool's own /metrics reading (rounds only, no warmup) agrees with the usage totals.
     assert summary["server"]["ferroxmp_prompt_tokens_total"] == summary["prompt_tokens"]
     assert summary["server"]["ferroxmp_generation_tokens_total"] == summary["completion_tokens"]
+    assert "ferroxmp_kv_pages_total" not in summary["server"]  # a gauge, though named *_total
     assert 0 < summary["worker_busy_share"] <= 1.0
+    # CPU seconds per process come from /proc via /server_info's pids: all named, the worker busy.
+    assert set(summary["cpu_s"]) == {"frontend", "scheduler", "worker", "client"}
+    assert summary["cpu_s"]["worker"] > 0
 
 
 @pytest.mark.timeout(120)

@@ -11,7 +11,12 @@ Invariants:
 - A request is failed if it got a non-2xx status, an error event, a broken
   stream or no content at all; failed requests are left out of every latency.
 - The same seed gives the same prompts and arrival times for every server and
-  every round; only the replies (resent in multi-turn) may differ.
+  every round (with --new-prompts-per-round, for every server within a round);
+  only the replies (resent in multi-turn) may differ.
+- A ferroxmp server's own counters (/metrics) are read, settled, before and after
+  each round; their deltas are reported beside the client's counts, never mixed in.
+  So is the CPU time of its processes (from /proc, local servers only) and of this
+  client, which shares the machine with the server it measures.
 - Standard library only; matplotlib is imported only for `--plot`.
 """
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import http.client
 import json
 import math
+import os
 import random
 import sys
 import threading
@@ -138,6 +144,13 @@ class RequestResult:
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
 
     @property
+    def warm(self) -> bool | None:
+        """Whether the prefix cache served at least half the prompt; None if the server does not say."""
+        if self.cached_tokens is None or not self.prompt_tokens:
+            return None
+        return 2 * self.cached_tokens >= self.prompt_tokens
+
+    @property
     def tpot(self) -> float | None:
         """Mean time per output token after the first; None below two tokens or without usage."""
         if not self.completion_tokens or self.completion_tokens < 2:
@@ -169,6 +182,8 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         "output_throughput": out_tokens / duration if duration else 0.0,
         "total_throughput": (in_tokens + out_tokens) / duration if duration else 0.0,
         "ttft_ms": stats_ms([r.ttft for r in done]),
+        "ttft_cold_ms": stats_ms([r.ttft for r in done if r.warm is False]),
+        "ttft_warm_ms": stats_ms([r.ttft for r in done if r.warm]),
         "tpot_ms": stats_ms([t for r in done if (t := r.tpot) is not None]),
         "itl_ms": stats_ms([g for r in done for g in r.itl]),
         "e2e_ms": stats_ms([r.e2e for r in done]),
@@ -316,6 +331,73 @@ def run_round(target: Target, jobs: list[Job], arrivals: list[float], args, labe
     return results, time.perf_counter() - start
 
 
+def scrape_counters(base_url: str, timeout: float = 5.0) -> dict[str, float]:
+    """The unlabelled `ferroxmp_*` counters of GET /metrics (gauges such as kv_pages_total
+    left out); {} for a server without them."""
+    url = urlsplit(base_url.rstrip("/"))
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+    try:
+        conn.request("GET", url.path + "/metrics")
+        resp = conn.getresponse()
+        text = resp.read().decode(errors="replace") if resp.status == 200 else ""
+    except (OSError, http.client.HTTPException):
+        return {}
+    finally:
+        conn.close()
+    lines = text.splitlines()
+    counters = {line.split()[2] for line in lines if line.startswith("# TYPE ") and line.endswith(" counter")}
+    out = {}
+    for line in lines:
+        name, _, value = line.partition(" ")  # labelled samples ("name{...} v") never match below
+        if name.startswith("ferroxmp_") and (name in counters or  # TYPE names it with or without _total
+                                             name.endswith("_total") and name[:-len("_total")] in counters):
+            out[name] = float(value)
+    return out
+
+
+def settled_counters(base_url: str, gap: float = 1.1, limit: float = 15.0) -> dict[str, float]:
+    """Counters once two reads `gap` s apart agree: the scheduler publishes them with its
+    heartbeat (at least once a second), so a single read right after a round may lag."""
+    deadline = time.monotonic() + limit
+    last = scrape_counters(base_url)
+    while last and time.monotonic() < deadline:
+        time.sleep(gap)
+        now = scrape_counters(base_url)
+        if now == last:
+            break
+        last = now
+    return last
+
+
+def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after if k in before}
+
+
+def process_cpu(base_url: str, timeout: float = 5.0) -> dict[str, float]:
+    """CPU seconds (user + system) so far of a local ferroxmp's processes, named as in
+    GET /server_info, read from /proc; {} for a remote server or one without /server_info."""
+    url = urlsplit(base_url.rstrip("/"))
+    if url.hostname not in ("127.0.0.1", "localhost", "::1"):
+        return {}
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+    try:
+        conn.request("GET", url.path + "/server_info")
+        resp = conn.getresponse()
+        procs = json.loads(resp.read())["processes"] if resp.status == 200 else {}
+        pids = {"frontend": procs["frontend"], "scheduler": procs["scheduler"]}
+        pids.update({f"worker{i}" if i else "worker": pid for i, pid in enumerate(procs["workers"])})
+        out = {}
+        for name, pid in pids.items():
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "(comm)", which may hold spaces
+            out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+        return out
+    except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError):
+        return {}
+    finally:
+        conn.close()
+
+
 def discover_model(base_url: str, timeout: float) -> str:
     """The first model id of GET /v1/models; exits with a clear message if there is none."""
     url = urlsplit(base_url.rstrip("/"))
@@ -337,9 +419,16 @@ ROWS = [("completed", "completed", "{:.0f}"), ("failed", "failed", "{:.0f}"),
         ("cached_tokens", "cached prompt tokens", "{:.0f}"),
         ("request_throughput", "requests/s", "{:.3f}"),
         ("output_throughput", "output tokens/s", "{:.2f}"),
-        ("total_throughput", "total tokens/s", "{:.2f}")]
+        ("total_throughput", "total tokens/s", "{:.2f}"),
+        ("worker_busy_share", "worker busy / wall (/metrics)", "{:.3f}")]
+ROWS += [(f"cpu_s.{p}", f"CPU s, {p}", "{:.1f}") for p in ("worker", "scheduler", "frontend", "client")]
 ROWS += [(f"{m}_ms.{s}", f"{m.upper()} {s} (ms)", "{:.2f}")
          for m in ("ttft", "tpot", "itl", "e2e") for s in ("mean", "median", "p99")]
+# TTFT split by cache hit (warm: at least half the prompt was cached); "-" where the server
+# reports no cached_tokens or no request fell on that side.
+_AFTER_TTFT = ROWS.index(("ttft_ms.p99", "TTFT p99 (ms)", "{:.2f}")) + 1
+ROWS[_AFTER_TTFT:_AFTER_TTFT] = [(f"ttft_{k}_ms.{s}", f"TTFT {k} {s} (ms)", "{:.2f}")
+                                 for k in ("cold", "warm") for s in ("mean", "median")]
 
 
 def lookup(summary: dict, key: str):
@@ -390,8 +479,8 @@ def plot(path: str, results: dict[str, list[RequestResult]]) -> None:
     print(f"plot written to {path}", file=sys.stderr)
 
 
-def build_jobs(args) -> list[Job]:
-    rng = random.Random(args.seed)
+def build_jobs(args, seed: int | None = None) -> list[Job]:
+    rng = random.Random(args.seed if seed is None else seed)
     if args.workload == "shared-prefix":
         return shared_prefix_jobs(rng, args.num_groups, args.prompts_per_group,
                                   args.system_prompt_len, args.question_len, args.output_len)
@@ -428,7 +517,11 @@ def parse_args(argv=None):
     p.add_argument("--max-concurrency", type=int, default=None, help="jobs in flight (default: no limit)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson jobs/s; inf = all at once")
     p.add_argument("--rounds", type=int, default=1, help="times the workload runs per server")
+    p.add_argument("--new-prompts-per-round", action="store_true",
+                   help="round k uses seed + 1000k (both servers still get the same prompts)")
     p.add_argument("--warmup", type=int, default=1, help="short requests per server before measuring")
+    p.add_argument("--no-server-metrics", dest="server_metrics", action="store_false",
+                   help="do not read ferroxmp's /metrics counters before and after each round")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=600.0, help="socket timeout per request (s)")
     p.add_argument("--seed", type=int, default=0)
@@ -451,21 +544,40 @@ def main(argv=None) -> int:
                               args.compare_dialect, args.compare_extra_body))
     jobs = build_jobs(args)
     arrivals = poisson_arrivals(random.Random(args.seed + 1), len(jobs), args.request_rate)
+    warmups = {t.name: [] for t in targets}  # kept out of the summaries, but in --out's JSON
     for target in targets:
         for _ in range(args.warmup):
             body = target.body(args.endpoint, "hello" if args.endpoint == "completions"
                                else [{"role": "user", "content": "hello"}], 4, args.temperature)
             warm = stream_request(target.base_url, args.endpoint, body, args.timeout)
+            warmups[target.name].append(warm)
             if warm.error:
                 print(f"warmup on {target.name} ({target.base_url}) failed: {warm.error}", file=sys.stderr)
     results = {t.name: [] for t in targets}
     durations = {t.name: 0.0 for t in targets}
+    server = {t.name: {} for t in targets}  # ferroxmp's own counters, summed over rounds
+    cpu = {t.name: {} for t in targets}  # CPU seconds per process over the rounds
     for rnd in range(args.rounds):
+        # A new seed per round keeps a prefix cache from carrying one round's prompts into the next.
+        round_jobs = build_jobs(args, args.seed + 1000 * rnd) if args.new_prompts_per_round else jobs
         for target in targets:  # A, B, A, B...: drift over time hits both servers alike
-            rs, duration = run_round(target, jobs, arrivals, args, f"round {rnd + 1} {target.name}")
+            before = settled_counters(target.base_url) if args.server_metrics else {}
+            cpu_before = {**process_cpu(target.base_url), "client": time.process_time()}
+            rs, duration = run_round(target, round_jobs, arrivals, args, f"round {rnd + 1} {target.name}")
+            cpu_after = {**process_cpu(target.base_url), "client": time.process_time()}
             results[target.name] += rs
             durations[target.name] += duration
+            for k, v in counter_deltas(cpu_before, cpu_after).items():
+                cpu[target.name][k] = cpu[target.name].get(k, 0.0) + v
+            if before:
+                for k, v in counter_deltas(before, settled_counters(target.base_url)).items():
+                    server[target.name][k] = server[target.name].get(k, 0.0) + v
     summaries = {t.name: summarize(results[t.name], durations[t.name]) for t in targets}
+    for name, counters in server.items():
+        summaries[name]["server"] = counters or None
+        busy = counters.get("ferroxmp_worker_busy_seconds_total")
+        summaries[name]["worker_busy_share"] = busy / durations[name] if busy is not None else None
+        summaries[name]["cpu_s"] = cpu[name]
     for t in targets:
         print(f"{t.name}: {t.base_url}  model={t.model}  dialect={t.dialect}")
     print(f"workload={args.workload} endpoint={args.endpoint} jobs={len(jobs)} rounds={args.rounds} "
@@ -481,7 +593,8 @@ def main(argv=None) -> int:
         report = {"config": config, "targets": [asdict(t) for t in targets], "summaries": summaries,
                   "ratios": {k: ratio(lookup(summaries.get("A", {}), k), lookup(summaries.get("B", {}), k))
                              for k, _, _ in ROWS} if len(targets) == 2 else None,
-                  "requests": {name: [asdict(r) | {"ok": r.ok} for r in rs] for name, rs in results.items()}}
+                  "requests": {name: [asdict(r) | {"ok": r.ok} for r in rs] for name, rs in results.items()},
+                  "warmup": {name: [asdict(r) | {"ok": r.ok} for r in rs] for name, rs in warmups.items()}}
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1, default=str)
     if args.plot:
