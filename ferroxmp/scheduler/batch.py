@@ -74,9 +74,10 @@ def plan_batch(core: "SchedulerCore", now: float) -> Plan:
         if budget <= 0 or not rows.free_rows:
             break
         key = _prefix_key(req, ps)
-        if key is not None and key in in_prefill and not blocking and rows.tree is not None:
+        if key is not None and key in in_prefill and rows.tree is not None:
             # A row is prefilling this very prefix right now: admitted next to it, this
             # request would compute it again; once it is published, it adopts it instead.
+            # Aged requests wait too: the wait is bounded by one prefill.
             continue
         first = req.admitted_at is None
         if not rows.admit(req, now, reserve):
