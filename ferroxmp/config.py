@@ -117,6 +117,15 @@ def parse_server_args(argv: list[str]) -> ServerArgs:
     return args
 
 
+def read_json(path: str) -> dict:
+    """A checkpoint's optional JSON file (generation_config.json, ...): {} when absent."""
+    import json
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def setup_logging(process: str, level: str = "info") -> None:
     """Every line carries the process name, so the supervisor's merged log reads."""
     import logging

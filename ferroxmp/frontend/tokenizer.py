@@ -26,6 +26,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from ferroxmp.config import read_json as _read_json
+
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -62,12 +64,6 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent=None, separators=None, so
     # jinja's own tojson escapes HTML characters, which would change the prompt
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-
-def _read_json(path: str) -> dict:
-    if not os.path.exists(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
 
 
 def _token_str(v: Any) -> Optional[str]:

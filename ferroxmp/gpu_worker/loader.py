@@ -12,12 +12,12 @@ Invariants:
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+from ..config import read_json as _read_json
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -67,12 +67,6 @@ class ModelConfig:
         assert self.sliding_window is None or self.sliding_window > 0
         assert self.rope_type in SUPPORTED_ROPE_TYPES
 
-
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
 
 
 def _as_list(x: Any) -> list[int]:

@@ -64,10 +64,6 @@ class Request:
         return len(self.prompt) + len(self.output)
 
     @property
-    def is_live(self) -> bool:
-        return self.state in (State.PREFILLING, State.DECODING)
-
-    @property
     def done_sampling(self) -> bool:
         return self.sampled_scheduled + self.sampled_before >= self.params.max_tokens
 

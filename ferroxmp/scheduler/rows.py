@@ -48,25 +48,26 @@ class RowManager:
 
     # -- lifecycle -----------------------------------------------------------------
 
-    def match(self, req: Request) -> int:
-        """Tokens an admission now would adopt (capped at len - 1: the last known token
-        must run through the model to produce the logits for the next)."""
+    def _match(self, req: Request):
+        """The tree's match for an admission now, capped at len - 1: the last known token
+        must run through the model to produce the logits for the next. None: no tree."""
         if self.tree is None or req.known_len < 2:
-            return 0
-        return self.tree.match_prefix(req.tokens[: req.known_len - 1]).length
+            return None
+        return self.tree.match_prefix(req.tokens[: req.known_len - 1])
+
+    def match(self, req: Request) -> int:
+        """Tokens an admission now would adopt."""
+        m = self._match(req)
+        return m.length if m is not None else 0
 
     def admit(self, req: Request, now: float, reserve: int = 0) -> bool:
         """Give `req` a row: adopt the cached prefix and allocate pages for the rest of
         its known tokens. False (and nothing changed) when a row or pages are lacking."""
         if not self.free_rows:
             return False
-        tokens = req.tokens
-        adopted_pages: list[int] = []
-        node = None
-        if self.tree is not None and len(tokens) >= 2:
-            m = self.tree.match_prefix(tokens[: len(tokens) - 1])
-            adopted_pages, node = list(m.pages), m.node
-        need = pages_for(len(tokens), self.page_size) - len(adopted_pages)
+        m = self._match(req)
+        adopted_pages, node = (list(m.pages), m.node) if m is not None else ([], None)
+        need = pages_for(req.known_len, self.page_size) - len(adopted_pages)
         if node is not None and adopted_pages:
             self.tree.lock(node)  # before evicting: our own prefix must survive
         if self.available_pages - need < reserve:
