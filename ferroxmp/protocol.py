@@ -63,6 +63,9 @@ class GenerateReq(msgspec.Struct, tag=True):
     input_ids: bytes
     params: SamplingParams
     arrival: float = 0.0  # time.time() when the frontend received it
+    # Prefixes are shared only between requests with the same salt (tenant isolation):
+    # the salt is part of the radix tree's key, so another tenant's prefix never matches.
+    cache_salt: str = ""
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -145,6 +148,9 @@ class BatchResult(msgspec.Struct, tag=True):
     logprobs: dict[int, Logprobs] = {}  # row -> logprobs, only for rows that asked
     compute_s: float = 0.0
     error: Optional[str] = None  # the batch was refused; nothing was computed
+    # Rows this batch could not compute (row -> why). They sampled nothing; the
+    # scheduler ends their requests with an error and the batch's other rows go on.
+    row_errors: dict[int, str] = {}
 
 
 # ---- handshake and control -------------------------------------------------------
