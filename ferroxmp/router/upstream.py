@@ -1,0 +1,100 @@
+"""One proxied exchange with a backend, and the relay of its body to the client.
+
+`send` raises NotReached when the request cannot have reached the backend:
+the connection was refused, timed out or reset before the request was fully
+written (a server acts on a request only once it has all of it). Only then is
+a retry on another backend safe; a failure after that may have started a
+generation, so it is the client's error, not a retry.
+
+`Relay` passes the backend's body through unchanged, reading small pieces as
+they arrive. An event stream is forwarded in whole events (up to a blank
+line), so that if the backend dies mid-stream the client gets every complete
+event, then one error event in OpenAI's shape and `data: [DONE]`, never half
+an event.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+from typing import Callable
+
+log = logging.getLogger("ferroxmp.router")
+
+READ_BYTES = 16384
+# Headers that describe one hop, not the message: never copied between client and backend.
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+              "transfer-encoding", "upgrade", "content-length", "server", "date"}
+FORWARDED_REQUEST_HEADERS = ("Content-Type", "Authorization", "Accept")
+
+
+class NotReached(Exception):
+    """The request never reached the backend: safe to send elsewhere."""
+
+
+def send(backend, method: str, path: str, body: bytes, headers: dict, timeout: float):
+    """Open a connection, send the request, return (connection, response)."""
+    conn = backend.connection(timeout)
+    try:
+        conn.connect()
+    except OSError as e:
+        conn.close()
+        raise NotReached(f"connect: {type(e).__name__}: {e}") from None
+    try:
+        conn.request(method, backend.prefix + path, body=body, headers=headers)
+    except OSError as e:  # reset or broken pipe while writing: the server has no whole request
+        conn.close()
+        raise NotReached(f"send: {type(e).__name__}: {e}") from None
+    try:
+        return conn, conn.getresponse()
+    except BaseException:
+        conn.close()
+        raise
+
+
+def response_headers(resp: http.client.HTTPResponse) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in resp.getheaders() if k.lower() not in HOP_BY_HOP]
+
+
+def error_event(message: str) -> bytes:
+    body = {"error": {"message": message, "type": "service_unavailable_error", "param": None,
+                      "code": "backend_failed"}}
+    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+class Relay:
+    """The body of a streamed reply; `close()` (which WSGI servers always call, even when
+    iteration never started) closes the backend connection and calls `on_close(ok)` once."""
+
+    def __init__(self, conn, resp, event_stream: bool, on_close: Callable[[bool], None]):
+        self.conn, self.resp, self.event_stream, self.on_close = conn, resp, event_stream, on_close
+        self.ok = False
+        self._closed = False
+
+    def __iter__(self):
+        pending = b""
+        try:
+            while piece := self.resp.read1(READ_BYTES):
+                if not self.event_stream:
+                    yield piece
+                    continue
+                pending += piece
+                cut = pending.rfind(b"\n\n") + 2
+                if cut >= 2:
+                    out, pending = pending[:cut], pending[cut:]
+                    yield out
+            if pending:
+                yield pending  # a clean end of the body: whatever came is the body
+            self.ok = True
+        except (OSError, http.client.HTTPException) as e:
+            log.warning("backend stream broke: %s: %s", type(e).__name__, e)
+            if self.event_stream:
+                yield error_event(f"the backend failed mid-stream ({type(e).__name__}); "
+                                  "the reply is incomplete")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.conn.close()
+        self.on_close(self.ok)

@@ -1,0 +1,397 @@
+"""`ferroxmp router`: the prefix tree, the policies, and a real router process.
+
+Oracles: a naive list of inserted texts for the prefix tree; hand-worked loads
+for the imbalance threshold; for the proxy, stub backends that record what they
+received and send known bytes in awkward pieces (the client must get exactly
+those bytes); and, behind the router, two real `ferroxmp serve` processes on
+the tiny llama whose own answers and own counters (/metrics, usage) say where
+each request went and what it hit in their prefix caches, never the router's word.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import requests
+
+from ferroxmp.router.keys import routing_text
+from ferroxmp.router.policy import CacheAware, LeastLoaded, RoundRobin
+from ferroxmp.router.tree import PrefixTree, block_ids
+from serverproc import ServerProcess, free_port, stream_lines
+
+pytestmark = pytest.mark.timeout(240)
+
+SERVER_FLAGS = ("--page-size", "4", "--kv-pages", "2048", "--max-running-requests", "16")
+
+
+# ---- prefix tree --------------------------------------------------------------------
+
+def _oracle_match(texts: list[str], query: str, block: int) -> int:
+    """Whole blocks of `query` that some inserted text starts with, by plain string compare."""
+    best = 0
+    for t in texts:
+        n = 0
+        while (n + 1) * block <= min(len(t), len(query)) and t[:(n + 1) * block] == query[:(n + 1) * block]:
+            n += 1
+        best = max(best, n)
+    return best
+
+
+def test_the_tree_matches_the_longest_whole_block_prefix_of_anything_inserted():
+    """Without eviction, match() must equal a string-compare oracle over every text inserted;
+    a hash chain that forgot the parent would match a block seen under another prefix."""
+    rng = random.Random(3)
+    alphabet = "ab"  # a tiny alphabet makes shared prefixes and repeated blocks common
+    tree, texts = PrefixTree(block_chars=4, max_blocks=10**6), []
+    for _ in range(300):
+        base = rng.choice(texts) if texts and rng.random() < 0.6 else ""
+        text = base[:rng.randint(0, len(base))] + "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 24)))
+        query = text if rng.random() < 0.5 else text[:rng.randint(0, len(text))] + rng.choice(alphabet) * 5
+        assert tree.match(block_ids(query, 4)) == _oracle_match(texts, query, 4)
+        tree.insert(block_ids(text, 4))
+        texts.append(text)
+    tree.check_integrity()
+
+
+def test_a_block_seen_under_another_prefix_does_not_match():
+    tree = PrefixTree(block_chars=4)
+    tree.insert(block_ids("xxxxBBBB", 4))
+    assert tree.match(block_ids("yyyyBBBB", 4)) == 0
+    assert tree.match(block_ids("xxxxBBBBzz", 4)) == 2  # the partial block "zz" never counts
+
+
+def test_the_tree_stays_bounded_evicting_least_recently_used_leaves_first():
+    """Past max_blocks the oldest conversation goes, deepest blocks first; a text just inserted
+    (or re-used) survives whole, and no block outlives its parent."""
+    tree = PrefixTree(block_chars=2, max_blocks=12)
+    old, mid, new = "aabbccddee", "ffgghhiijj", "kkllmmnnoo"  # 5 blocks each
+    tree.insert(block_ids(old, 2))
+    tree.insert(block_ids(mid, 2))
+    tree.insert(block_ids(old, 2))  # old is used again: mid is now the least recent
+    tree.insert(block_ids(new, 2))
+    assert tree.size == 12
+    tree.check_integrity()
+    assert tree.match(block_ids(new, 2)) == 5 and tree.match(block_ids(old, 2)) == 5
+    assert tree.match(block_ids(mid, 2)) == 2  # its 3 deepest blocks went, its root survived
+
+
+# ---- policies -----------------------------------------------------------------------
+
+class FakeBackend:
+    def __init__(self, name: str, load: float = 0, routed: int = 0, sent: tuple = ()):
+        self.name, self.load, self.routed = name, load, routed
+        self.tree = PrefixTree(block_chars=4)
+        for text in sent:
+            self.tree.insert(block_ids(text, 4))
+
+
+PROMPT = "system prompt shared by a conversation, then the turns"
+
+
+@pytest.mark.parametrize("holder_load, least_load, expect", [
+    (40, 5, "least"),    # 35 more (> 32) and 8x (> 1.5x): overloaded
+    (40, 30, "holder"),  # only 10 more: the cache wins
+    (100, 70, "holder"),  # 30 more but only 1.43x: not overloaded with abs 20
+    (33, 0, "least"),    # 33 more and infinitely more
+    (32, 0, "holder"),   # exactly the absolute threshold is not beyond it
+])
+def test_cache_aware_keeps_the_prefix_holder_until_both_imbalance_thresholds_are_crossed(
+        holder_load, least_load, expect):
+    abs_threshold = 20 if holder_load == 100 else 32
+    policy = CacheAware(balance_abs_threshold=abs_threshold, balance_rel_threshold=1.5, cache_threshold=0.3)
+    holder = FakeBackend("holder", holder_load, sent=(PROMPT,))
+    least = FakeBackend("least", least_load)
+    d = policy.choose([least, holder], block_ids(PROMPT + " and one more question", 4))
+    assert d.backend.name == expect
+    assert d.affinity == (expect == "holder")
+
+
+def test_cache_aware_sends_a_weak_or_missing_match_to_the_least_loaded():
+    policy = CacheAware(cache_threshold=0.5)
+    holder = FakeBackend("holder", 1, sent=(PROMPT[:12],))  # 3 of the query's 13 blocks
+    idle = FakeBackend("idle", 0)
+    assert policy.choose([holder, idle], block_ids(PROMPT, 4)).backend.name == "idle"
+    assert policy.choose([holder, idle], block_ids("nothing alike at all here", 4)).backend.name == "idle"
+    assert policy.choose([holder, idle], []).backend.name == "idle"
+
+
+def test_cache_aware_prefers_the_longer_match():
+    policy = CacheAware(cache_threshold=0.0)
+    short = FakeBackend("short", sent=(PROMPT[:20],))
+    long = FakeBackend("long", 3, sent=(PROMPT,))
+    assert policy.choose([short, long], block_ids(PROMPT, 4)).backend.name == "long"
+
+
+def test_round_robin_alternates_and_least_loaded_breaks_ties_by_fewest_routed():
+    a, b = FakeBackend("a"), FakeBackend("b")
+    rr = RoundRobin()
+    assert [rr.choose([a, b], []).backend.name for _ in range(4)] == ["a", "b", "a", "b"]
+    a.routed, b.routed = 3, 1
+    assert LeastLoaded().choose([a, b], []).backend.name == "b"
+    a.load, b.load = 0, 2
+    assert LeastLoaded().choose([a, b], []).backend.name == "a"
+
+
+def test_the_routing_text_of_a_conversation_extends_that_of_its_earlier_turns():
+    """Affinity rests on this: turn k+1's rendering starts with turn k's."""
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": [{"type": "text", "text": "hello"}]},
+             {"role": "user", "content": "more"}]
+    texts = [routing_text("/v1/chat/completions", json.dumps({"messages": turns[:k]}).encode())
+             for k in range(1, 5)]
+    assert all(b.startswith(a) and len(b) > len(a) for a, b in zip(texts, texts[1:]))
+    assert "hello" in texts[2]
+    assert routing_text("/v1/completions", b'{"prompt": "abc"}').endswith("abc")
+    assert routing_text("/v1/completions", b'{"prompt": [[1, 2], [3]]}') == "ids:1,2"
+    assert routing_text("/v1/completions", b"{not json") == ""
+
+
+# ---- a real router in front of stub backends ----------------------------------------
+
+class Stub:
+    """A backend that records requests and answers as told: `mode` "stream" sends `pieces`
+    as separate HTTP chunks, "die" sends them and then drops the connection mid-chunk."""
+
+    def __init__(self) -> None:
+        self.received: list[dict] = []
+        self.pieces: list[bytes] = []
+        self.mode = "stream"
+        self.health = 200
+        self.running = 0
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _send(self, status: int, body: bytes, ctype: str) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path == "/health":
+                    self._send(stub.health, b'{"status": "ok"}', "application/json")
+                elif self.path == "/metrics":
+                    text = f"ferroxmp_requests_running {stub.running}\nferroxmp_requests_waiting 0.0\n"
+                    self._send(200, text.encode(), "text/plain")
+                else:
+                    self._send(404, b"{}", "application/json")
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                stub.received.append({"path": self.path, "body": body, "headers": dict(self.headers)})
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("X-Request-Id", "stub-id")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for piece in stub.pieces:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    self.wfile.flush()
+                    time.sleep(0.02)
+                if stub.mode == "die":
+                    self.wfile.write(b"40\r\npartial")  # a chunk that never completes
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                self.wfile.write(b"0\r\n\r\n")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Router:
+    """`ferroxmp router` as a subprocess; stop() always ends it."""
+
+    def __init__(self, backends: list[str], *flags: str, cwd=None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "ferroxmp.cli", "router", "--port", str(self.port), *flags]
+        for b in backends:
+            cmd += ["--backend", b]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd)
+        deadline = time.time() + 60
+        while True:
+            assert self.proc.poll() is None, self.proc.stdout.read().decode()
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code in (200, 503):
+                    break
+            except requests.RequestException:
+                pass
+            assert time.time() < deadline, "router never answered /health"
+            time.sleep(0.2)
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for line in requests.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def health(self) -> dict:
+        return requests.get(self.url + "/health", timeout=10).json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+
+
+@pytest.fixture
+def stubs():
+    made: list[Stub] = []
+
+    def make() -> Stub:
+        made.append(Stub())
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+@pytest.fixture
+def router():
+    made: list[Router] = []
+
+    def make(backends, *flags) -> Router:
+        made.append(Router(backends, *flags))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.stop()
+
+
+def _raw_post(url: str, body: dict, headers=None) -> requests.Response:
+    return requests.post(url + "/v1/completions", json=body, headers=headers, stream=True, timeout=30)
+
+
+def test_a_stream_reaches_the_client_byte_for_byte_with_its_headers(stubs, router):
+    """Events split across chunks, a multi-byte character split in two, an SSE comment: the
+    client must read exactly the backend's bytes, not a re-encoding of them."""
+    stub = stubs()
+    snow = "☃".encode()
+    stub.pieces = [b"data: {\"a\": 1}\n", b"\ndata: {\"b\": \"" + snow[:1], snow[1:] + b"\"}\n\n",
+                   b": keep-alive\n\ndata: [DO", b"NE]\n\n"]
+    r = router([stub.url])
+    resp = _raw_post(r.url, {"prompt": "x", "stream": True})
+    assert resp.status_code == 200
+    assert resp.headers["Content-Type"] == "text/event-stream"
+    assert resp.headers["X-Request-Id"] == "stub-id"
+    assert resp.raw.read() == b"".join(stub.pieces)
+    assert len(stub.received) == 1 and json.loads(stub.received[0]["body"]) == {"prompt": "x", "stream": True}
+
+
+def test_the_api_key_is_checked_and_the_clients_authorization_forwarded(stubs, router):
+    stub = stubs()
+    stub.pieces = [b"data: [DONE]\n\n"]
+    r = router([stub.url], "--api-key", "sesame")
+    refused = _raw_post(r.url, {"prompt": "x"})
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert stub.received == []  # refused at the router: the backend never saw it
+    ok = _raw_post(r.url, {"prompt": "x"}, headers={"Authorization": "Bearer sesame"})
+    assert ok.status_code == 200 and ok.raw.read() == b"data: [DONE]\n\n"
+    assert stub.received[0]["headers"]["Authorization"] == "Bearer sesame"
+
+
+def test_a_backend_dying_mid_stream_ends_the_stream_with_an_error_event_and_no_retry(stubs, router):
+    """Complete events arrive unchanged, the half event does not; then one error event in
+    OpenAI's shape and [DONE]. The request reached the backend, so it is not sent again."""
+    dying, spare = stubs(), stubs()
+    dying.mode, dying.pieces = "die", [b"data: {\"n\": 1}\n\n", b"data: {\"n\": 2}\n\ndata: {\"n\"", b": 3"]
+    r = router([dying.url, spare.url], "--policy", "round-robin")
+    resp = _raw_post(r.url, {"prompt": "x", "stream": True})
+    events = list(stream_lines(resp))
+    assert events[:2] == [{"n": 1}, {"n": 2}]
+    assert set(events[2]["error"]) == {"message", "type", "param", "code"} and events[3] == b"[DONE]"
+    assert len(events) == 4
+    assert (len(dying.received), len(spare.received)) == (1, 0)
+    m = r.metrics()
+    assert m["ferroxmp_router_retries_total"] == 0
+    assert m[f'ferroxmp_router_upstream_errors_total{{backend="{dying.url}"}}'] == 1
+
+
+def test_a_request_that_cannot_connect_is_retried_on_another_backend(stubs, router):
+    """The first backend goes away between polls (a long --health-interval keeps the router
+    from noticing): the request it was meant for is refused at connect and must be sent to
+    the other one, once; the dead one is then skipped."""
+    gone, alive = stubs(), stubs()
+    alive.pieces = [b"data: [DONE]\n\n"]
+    r = router([gone.url, alive.url], "--policy", "round-robin", "--health-interval", "60")
+    assert [b["healthy"] for b in r.health()["backends"]] == [True, True]
+    gone.close()
+    for _ in range(3):
+        resp = _raw_post(r.url, {"prompt": "x", "stream": True})
+        assert resp.status_code == 200 and resp.raw.read() == b"data: [DONE]\n\n"
+    assert len(alive.received) == 3
+    m = r.metrics()
+    assert m["ferroxmp_router_retries_total"] == 1
+    assert [b["healthy"] for b in r.health()["backends"]] == [False, True]
+
+
+def test_polling_drops_an_unhealthy_backend_and_brings_it_back(stubs, router):
+    sick, well = stubs(), stubs()
+    for s in (sick, well):
+        s.pieces = [b"data: [DONE]\n\n"]
+    r = router([sick.url, well.url], "--policy", "round-robin", "--health-interval", "0.2")
+    sick.health = 503
+
+    def healthy():
+        return [b["healthy"] for b in r.health()["backends"]]
+
+    _wait(lambda: healthy() == [False, True], 10)
+    for _ in range(4):
+        _raw_post(r.url, {"prompt": "x"}).raw.read()
+    assert (len(sick.received), len(well.received)) == (0, 4)
+    sick.health = 200
+    _wait(lambda: healthy() == [True, True], 10)
+    for _ in range(2):
+        _raw_post(r.url, {"prompt": "x"}).raw.read()
+    assert len(sick.received) == 1
+
+
+def test_least_loaded_reads_the_backends_own_running_gauge(stubs, router):
+    """The router sends nothing to a backend whose /metrics says it is busy with others' work."""
+    busy, idle = stubs(), stubs()
+    for s in (busy, idle):
+        s.pieces = [b"data: [DONE]\n\n"]
+    busy.running = 7
+    r = router([busy.url, idle.url], "--policy", "least-loaded", "--health-interval", "0.2")
+    _wait(lambda: r.metrics()[f'ferroxmp_router_backend_load{{backend="{busy.url}"}}'] == 7, 10)
+    for _ in range(4):
+        _raw_post(r.url, {"prompt": "x"}).raw.read()
+    assert (len(busy.received), len(idle.received)) == (0, 4)
+
+
+def _wait(cond, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, "condition not met in time"
+        time.sleep(0.1)
