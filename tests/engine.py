@@ -41,11 +41,12 @@ class LocalEngine:
         self._n = 0
 
     def submit(self, prompt: list[int], max_tokens: int = 4, rid: Optional[str] = None,
-               **params) -> str:
+               cache_salt: str = "", **params) -> str:
         rid = rid or f"req-{self._n}"
         self._n += 1
         params.setdefault("temperature", 0.0)
-        msg = GenerateReq(rid, pack_ids(prompt), SamplingParams(max_tokens=max_tokens, **params), time.time())
+        msg = GenerateReq(rid, pack_ids(prompt), SamplingParams(max_tokens=max_tokens, **params), time.time(),
+                          cache_salt=cache_salt)
         refusal = self.core.add_request(msg, time.time())
         if refusal is not None:
             self.refusals[rid] = (refusal.status, refusal.error)

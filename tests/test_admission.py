@@ -47,7 +47,7 @@ def test_admission_prefers_the_longest_cached_prefix(engine):
     cold = eng.submit(list(range(400, 470)), 2)
     warm = eng.submit(shared + [7, 8], 2)
     eng.build()
-    admitted = [r for r in eng.core.rows.live.values()]
+    admitted = [r for r in eng.core.live.values()]
     assert [r.rid for r in admitted] == [warm], "the cache hit should be admitted first"
     eng.run_to_idle()
     assert cold in eng.finish and warm in eng.finish
@@ -62,7 +62,7 @@ def test_an_aged_request_is_admitted_before_newer_cache_hits(engine):
     warm = eng.submit(shared + [7, 8], 2)
     eng.request(cold).arrival -= eng.core.cfg.aging_s + 1
     eng.build()
-    assert [r.rid for r in eng.core.rows.live.values()] == [cold]
+    assert [r.rid for r in eng.core.live.values()] == [cold]
     eng.run_to_idle()
     assert cold in eng.finish and warm in eng.finish
 

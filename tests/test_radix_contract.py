@@ -50,7 +50,7 @@ def finish_row(eng: LocalEngine, rid: str) -> None:
 
 
 def published(eng: LocalEngine, prompt: list[int]) -> tuple[int, list[int]]:
-    m = eng.core.rows.tree.match_prefix(prompt)
+    m = eng.core.cache.tree.match_prefix(prompt)
     return m.length, list(m.pages)
 
 
@@ -58,7 +58,7 @@ def test_a_finished_batched_row_publishes_its_prefix(engine_factory):
     """The tree must GROW by the whole page-aligned prefix. A test that only timed
     the second request would pass on a warm page cache."""
     eng = engine_factory()
-    assert eng.core.rows.tree.total_size == 0, "the tree starts empty"
+    assert eng.core.cache.tree.total_size == 0, "the tree starts empty"
     rid = admit_prefilled(eng, PROMPT)
     finish_row(eng, rid)
     cached, pages = published(eng, PROMPT)
@@ -82,7 +82,7 @@ def test_a_second_batched_request_adopts_the_pages_the_first_published(engine_fa
     adopted = req.cached_tokens
     assert adopted > 0, f"the second request must adopt the first's prefix, got {adopted}"
     assert adopted < len(PROMPT), "never the whole prompt: one token must run for the logits"
-    assert req.pages[: adopted // BLOCK] == pages[: adopted // BLOCK]
+    assert req.cache.pages[: adopted // BLOCK] == pages[: adopted // BLOCK]
     for p in pages[: adopted // BLOCK]:
         assert eng.pool.refs[p] == 2, "an adopted page is held by the tree AND the row"
     finish_row(eng, second)
@@ -174,8 +174,8 @@ def test_batched_publishing_does_not_starve_the_page_pool(engine_factory):
             eng.run_until(lambda: rid in eng.finish, max_steps=50)
         except AssertionError:
             pytest.fail(f"cycle {cycle} was never admitted: the tree holds pages it will not give "
-                        f"back (free = {eng.pool.free_count}, tree = {eng.core.rows.tree.num_pages})")
+                        f"back (free = {eng.pool.free_count}, tree = {eng.core.cache.tree.num_pages})")
         eng.run_to_idle()
         assert eng.finish[rid] == "length"
-    assert eng.pool.free_count > 0 or eng.core.rows.tree.evictable_pages > 0
-    assert eng.core.rows.tree.num_pages > 0, "the tree keeps what it can: that is the point"
+    assert eng.pool.free_count > 0 or eng.core.cache.tree.evictable_pages > 0
+    assert eng.core.cache.tree.num_pages > 0, "the tree keeps what it can: that is the point"

@@ -54,8 +54,7 @@ def test_random_lifecycles_keep_every_page_accounted_for(model):
 
         @rule(n=st.integers(1, 8))
         def evict(self, n):
-            tree = self.eng.core.rows.tree
-            tree.evict(n)
+            self.eng.core.cache.evict(n)
             self.eng.core.check_integrity()
 
         @invariant()
@@ -71,8 +70,8 @@ def test_random_lifecycles_keep_every_page_accounted_for(model):
                     self.eng.core.abort(rid)
                 self.eng.run_to_idle(max_steps=200)
                 core = self.eng.core
-                assert core.idle and not core.rows.live
-                assert self.eng.pool.free_count + core.rows.cached_pages() == self.eng.pool.num_pages
+                assert core.idle and not core.live
+                assert self.eng.pool.free_count + core.cache.tree.num_pages == self.eng.pool.num_pages
                 assert all(r.state == State.FINISHED for r in core.requests.values())
             finally:
                 self.eng.close()

@@ -32,7 +32,7 @@ def test_pages_outside_the_window_are_released_and_outputs_are_unchanged(tiny_mo
             eng.run_to_idle()
             outs[interval] = [eng.outputs[r] for r in rids]
             peak_held[interval] = held
-            assert eng.pool.free_count + eng.core.rows.cached_pages() == eng.pool.num_pages
+            assert eng.pool.free_count + eng.core.cache.tree.num_pages == eng.pool.num_pages
         finally:
             eng.close()
     assert outs[4] == outs[10_000], "releasing out-of-window pages changed the answer"

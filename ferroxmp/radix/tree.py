@@ -1,8 +1,15 @@
 """RadixCache: a page-granular prefix tree over token ids, holding pool pages.
 
 Its one job is the radix contract's tree side: `insert` publishes a row's computed
-prefix, `match_prefix` finds what a new row can adopt, `lock`/`unlock` pin a path
-while rows read it, `evict` hands least-recently-used pages back to the pool.
+prefix, `peek` says how much a new row could adopt (a pure read), `match_prefix`
+finds it for adoption (touches LRU, may split), `lock`/`unlock` pin a path while
+rows read it, `evict` hands least-recently-used pages back to the pool.
+
+Tenants: every operation takes a `salt`; each salt has its own root, so a prefix
+is shared only between requests with the same salt and costs no KV page. A salt's
+root goes away when its last node does. `version` counts changes of what a match
+could return (pages added or removed, not splits): a caller may remember a match
+until it moves.
 
 Invariants (checked by `check_integrity`):
 - every node but the root holds >= 1 page and a key of exactly len(pages) pages of
@@ -46,6 +53,7 @@ class Node:
     lock_ref: int = 0
     last_access: int = 0
     attached: bool = True  # False once evicted: stale heap entries and handles see it
+    salt: str = ""  # which tenant's root this node hangs from (set on roots only)
 
     @property
     def is_leaf(self) -> bool:
@@ -63,7 +71,8 @@ class MatchResult:
 class RadixCache:
     pool: PagePool
     page_size: int
-    root: Node = field(init=False)
+    roots: dict[str, Node] = field(init=False)  # salt -> root
+    version: int = field(init=False, default=0)  # bumped when a match's result may change
     num_pages: int = field(init=False, default=0)  # pages the tree holds
     # Pages in unlocked nodes: an upper bound on what evict() can free, since a leaf
     # whose pages a row holds without a lock (it published them) frees nothing yet.
@@ -77,7 +86,24 @@ class RadixCache:
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         self._page_bytes = self.page_size * _BYTES_PER_TOKEN
-        self.root = Node(b"", [], None)
+        self.roots = {"": Node(b"", [], None)}
+
+    @property
+    def root(self) -> Node:
+        """The root of the unsalted tree."""
+        return self.roots[""]
+
+    def _root(self, salt: str, create: bool) -> Optional[Node]:
+        node = self.roots.get(salt)
+        if node is None and create:
+            node = self.roots[salt] = Node(b"", [], None, salt=salt)
+        return node
+
+    def _drop_root_if_empty(self, root: Node) -> None:
+        # Salts are client-chosen: an empty tenant root must not outlive its last node.
+        if root.salt and not root.children and root.lock_ref == 0:
+            self.roots.pop(root.salt, None)
+            root.attached = False
 
     @property
     def total_size(self) -> int:
@@ -137,7 +163,7 @@ class RadixCache:
         heapq.heapify(self._heap)
 
     def _nodes(self):
-        stack = list(self.root.children.values())
+        stack = [c for r in self.roots.values() for c in r.children.values()]
         while stack:
             node = stack.pop()
             yield node
@@ -158,15 +184,38 @@ class RadixCache:
         self._num_nodes += 1
         return upper
 
-    def match_prefix(self, ids: TokenIds) -> MatchResult:
+    def peek(self, ids: TokenIds, salt: str = "") -> int:
+        """Tokens of ids' longest page-aligned prefix in the tree. A pure read: no LRU
+        touch, no split, so admission can score candidates it will not admit."""
+        node = self.roots.get(salt)
+        if node is None:
+            return 0
+        b = self._key(ids)
+        pb = self._page_bytes
+        pos = 0
+        while pos < len(b):
+            child = node.children.get(b[pos:pos + pb])
+            if child is None:
+                break
+            if not b.startswith(child.key, pos):
+                pos += self._common_pages(child.key, b, pos) * pb
+                break
+            pos += len(child.key)
+            node = child
+        return pos // _BYTES_PER_TOKEN
+
+    def match_prefix(self, ids: TokenIds, salt: str = "") -> MatchResult:
         """Longest page-aligned prefix of ids in the tree (uncapped: admission caps ids
         at len(prompt) - 1 first). Touches the path for LRU; splits the last node so
         that the returned node covers exactly the match. An int32 ndarray (e.g.
         np.frombuffer of the wire bytes) converts ~7x faster than a list of ints."""
+        root = self.roots.get(salt)
+        if root is None:  # a tenant with nothing cached: nothing to lock either
+            return MatchResult(0, Node(b"", [], None, salt=salt), [])
         b = self._key(ids)
         pb = self._page_bytes
         stamp = self._tick()
-        node, pos, pages = self.root, 0, []
+        node, pos, pages = root, 0, []
         while pos < len(b):
             child = node.children.get(b[pos:pos + pb])
             if child is None:
@@ -179,7 +228,7 @@ class RadixCache:
             node = child
         return MatchResult(pos // _BYTES_PER_TOKEN, node, pages)
 
-    def insert(self, ids: TokenIds, pages: Sequence[int]) -> int:
+    def insert(self, ids: TokenIds, pages: Sequence[int], salt: str = "") -> int:
         """Publish the page-aligned prefix of ids, whose KV sits in `pages` (one per
         page; a trailing partial page is ignored). Returns how many tokens the tree
         already held. The tree retains every page it newly stores; the caller keeps
@@ -191,7 +240,7 @@ class RadixCache:
         b = self._key(ids)
         pb = self._page_bytes
         stamp = self._tick()
-        node, pos = self.root, 0
+        node, pos = self._root(salt, create=bool(b)), 0
         while pos < len(b):
             child = node.children.get(b[pos:pos + pb])
             if child is None:
@@ -203,6 +252,7 @@ class RadixCache:
                 self._num_nodes += 1
                 self.num_pages += len(new_pages)
                 self.evictable_pages += len(new_pages)  # a new leaf is never locked
+                self.version += 1
                 self._push_leaf(leaf)
                 return pos // _BYTES_PER_TOKEN
             if not b.startswith(child.key, pos):
@@ -222,7 +272,7 @@ class RadixCache:
         """Pin node's path (a row reads its pages); the root only counts the lock."""
         if not node.attached:
             raise RadixError("lock of an evicted node")
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 self.evictable_pages -= len(node.pages)
             node.lock_ref += 1
@@ -232,7 +282,7 @@ class RadixCache:
     def unlock(self, node: Node) -> None:
         if not node.attached:
             raise RadixError("unlock of an evicted node")
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref <= 0:
                 raise RadixError("unlock of a node that is not locked")
             node.lock_ref -= 1
@@ -240,6 +290,7 @@ class RadixCache:
                 self.evictable_pages += len(node.pages)
             node = node.parent
         node.lock_ref -= 1
+        self._drop_root_if_empty(node)
 
     # ---- eviction ---------------------------------------------------------------
 
@@ -272,6 +323,7 @@ class RadixCache:
                 gone = node.pages
                 self._detach(node)
             self.pool.release(gone)
+            self.version += 1
             self.num_pages -= len(gone)
             self.evictable_pages -= len(gone)
             freed += len(gone)
@@ -285,7 +337,9 @@ class RadixCache:
         node.attached = False
         node.parent = None
         self._num_nodes -= 1
-        if parent is not self.root and parent.is_leaf:
+        if parent.parent is None:
+            self._drop_root_if_empty(parent)
+        elif parent.is_leaf:
             self._push_leaf(parent)
 
     # ---- accounting -------------------------------------------------------------
@@ -300,13 +354,15 @@ class RadixCache:
     def reset(self) -> None:
         """Release every page the tree holds. Refused while a row holds a lock: its
         node would vanish under it."""
-        if self.root.lock_ref:
-            raise RadixError(f"reset with {self.root.lock_ref} locks held")
+        locks = sum(r.lock_ref for r in self.roots.values())
+        if locks:
+            raise RadixError(f"reset with {locks} locks held")
         held = self.pages()
         for node in self._nodes():
             node.attached = False
         self.pool.release(held)
-        self.root = Node(b"", [], None)
+        self.version += 1
+        self.roots = {"": Node(b"", [], None)}
         self.num_pages = self.evictable_pages = self._num_nodes = 0
         self._heap = []
 
@@ -316,10 +372,15 @@ class RadixCache:
         n_pages = evictable = n_nodes = 0
         live_entries = {id(n) for stamp, _, n in self._heap
                         if n.attached and stamp == n.last_access}
-        stack = [self.root]
+        for salt, root in self.roots.items():
+            if root.parent is not None or root.salt != salt or not root.attached:
+                raise RadixError(f"root of salt {salt!r} is not a filed root")
+            if salt and not root.children and not root.lock_ref:
+                raise RadixError(f"empty root of salt {salt!r} left behind")
+        stack = list(self.roots.values())
         while stack:
             node = stack.pop()
-            if node is not self.root:
+            if node.parent is not None:
                 n_nodes += 1
                 if not node.pages or len(node.key) != len(node.pages) * pb:
                     raise RadixError(f"node key of {len(node.key) // 4} tokens holds "

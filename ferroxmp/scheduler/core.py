@@ -2,9 +2,14 @@
 
 The event loop (scheduler.py) and in-process tests drive the same object, so the
 tests exercise the real admission → chunked prefill → handover → finish path.
-Invariants (checked by `check_integrity`): every live row is in `rows.live`;
-every request in flight is counted in its `inflight`; pages and row slots of a
-finished or retracted request return only when its `inflight` reaches 0.
+The core owns the queues and the requests' states; the cache manager (cache.py)
+owns pages, the page table, the tree and row slots; `plan_batch` (batch.py) plans
+a step from both and the core applies the plan.
+
+Invariants (checked by `check_integrity`): every live row is in `live`; every
+request in flight is counted in its `inflight`; pages and row slots of a finished
+or retracted request return only when its `inflight` reaches 0 — whatever the
+worker answered, so the two processes never disagree about what a row holds.
 """
 from __future__ import annotations
 
@@ -13,13 +18,14 @@ import random
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
+
 from ferroxmp.protocol import (BatchResult, ForwardBatch, GenerateReq, NewRow, RowOut,
-                               RowStep, Stats, pack_ids, unpack_ids)
+                               RowStep, Stats, unpack_ids)
 from ferroxmp.radix.pages import PagePool
-from ferroxmp.radix.tree import RadixCache
 from ferroxmp.scheduler.batch import plan_batch
+from ferroxmp.scheduler.cache import CacheManager, pages_for
 from ferroxmp.scheduler.request import Request, State
-from ferroxmp.scheduler.rows import RowManager, pages_for
 
 log = logging.getLogger("ferroxmp.scheduler")
 
@@ -52,17 +58,18 @@ class SchedulerConfig:
 class SchedulerCore:
     pool: PagePool
     cfg: SchedulerConfig
-    rows: RowManager = field(init=False)
+    cache: CacheManager = field(init=False)
     waiting: list[Request] = field(default_factory=list)
+    live: dict[int, Request] = field(default_factory=dict)  # row -> request holding it
     requests: dict[str, Request] = field(default_factory=dict)  # waiting, live, or releasing
     inflight: dict[int, list[tuple[Request, RowStep]]] = field(default_factory=dict)
-    outbox: dict[str, RowOut] = field(default_factory=dict)
+    outbox: dict[str, RowOut] = field(default_factory=dict)  # refusals and expiries
+    news: dict[str, Request] = field(default_factory=dict)  # requests with output to report
     totals: Stats = field(default_factory=Stats)
     next_batch_id: int = 0
 
     def __post_init__(self) -> None:
-        tree = RadixCache(self.pool, self.cfg.page_size) if self.cfg.radix else None
-        self.rows = RowManager(self.pool, tree, self.cfg.page_size)
+        self.cache = CacheManager(self.pool, self.cfg.page_size, self.cfg.radix)
         self._rng = random.Random(self.cfg.seed)
 
     # -- requests in ---------------------------------------------------------------
@@ -85,16 +92,16 @@ class SchedulerCore:
 
     def add_request(self, msg: GenerateReq, now: float) -> Optional[RowOut]:
         """Queue a request, or return its refusal (400: it can never fit)."""
-        ids = unpack_ids(msg.input_ids).tolist()
+        ids = unpack_ids(msg.input_ids)
         why = self.refusal(msg, len(ids))
-        if why is None and ids and (min(ids) < 0 or max(ids) >= self.cfg.vocab_size):
-            why = f"token ids must be in [0, {self.cfg.vocab_size}); got {min(ids)}..{max(ids)}"
+        if why is None and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
+            why = f"token ids must be in [0, {self.cfg.vocab_size}); got {ids.min()}..{ids.max()}"
         if why is not None:
             out = RowOut(msg.rid, finish_reason="error", status=400, error=why, prompt_tokens=len(ids))
             log.info("refused %s: %s", msg.rid, out.error)
             return out
         seed = msg.params.seed if msg.params.seed is not None else self._rng.getrandbits(31)
-        req = Request(msg.rid, ids, msg.params, msg.arrival or now, seed=seed)
+        req = Request(msg.rid, ids, msg.params, msg.arrival or now, seed=seed, salt=msg.cache_salt)
         self.requests[req.rid] = req
         self.waiting.append(req)
         return None
@@ -128,20 +135,41 @@ class SchedulerCore:
     # -- batches out ---------------------------------------------------------------
 
     def build_batch(self, now: float) -> Optional[ForwardBatch]:
-        plan = plan_batch(self, now)
+        """Plan a step and apply the plan: retractions, admissions, then the steps."""
+        plan = plan_batch(self.waiting, self.live.values(), self.cache, self.cfg.max_batch_tokens,
+                          now, self.cfg.aging_s)
+        for req in plan.retract:
+            self.retract(req)
+        new_rows = []
+        for req, handle in plan.admitted:
+            self.waiting.remove(req)
+            first = req.admitted_at is None
+            req.admit(handle, handle.adopted, now)
+            self.live[req.row] = req
+            if first:
+                self.totals.prompt_tokens += len(req.prompt)
+                self.totals.cached_prompt_tokens += req.cached_tokens
+            new_rows.append(self.new_row(req))
         if not plan.steps:
             return None
-        batch = ForwardBatch(self.next_batch_id, plan.new_rows, [s for _, s in plan.steps])
-        self.inflight[batch.batch_id] = plan.steps
+        steps = []
+        for req, length, sample in plan.steps:
+            step = RowStep(req.row, req.scheduled, length, sample)
+            req.schedule(length, sample)
+            self.cache.set_length(req.cache, req.scheduled)
+            steps.append((req, step))
+        batch = ForwardBatch(self.next_batch_id, new_rows, [s for _, s in steps])
+        self.inflight[batch.batch_id] = steps
         self.next_batch_id += 1
         self.totals.steps += 1
         if self.cfg.sliding_window and self.totals.steps % self.cfg.swa_release_interval == 0:
-            for req in list(self.rows.live.values()):
-                self.rows.release_window_pages(req, self.cfg.sliding_window)
+            for req in self.live.values():
+                self.cache.release_window(req, self.cfg.sliding_window)
         return batch
 
     def new_row(self, req: Request) -> NewRow:
-        return NewRow(req.row, pack_ids(req.tokens), req.params, req.seed, len(req.prompt))
+        return NewRow(req.row, np.asarray(req.tokens, "<i4").tobytes(), req.params, req.seed,
+                      len(req.prompt))
 
     def retract(self, req: Request) -> None:
         """Free a decoding row's pages for older rows; it re-queues ahead of new work
@@ -154,6 +182,10 @@ class SchedulerCore:
     # -- results in ----------------------------------------------------------------
 
     def process_result(self, res: BatchResult, now: float) -> None:
+        """Apply a batch's result. A row the worker could not compute (`row_errors`, or
+        the whole batch's `error`) ends its request with an error; the batch's other
+        rows go on. Every row's `inflight` drops either way, so pages come back once,
+        after the last batch that referenced them reported."""
         steps = self.inflight.pop(res.batch_id, None)
         if steps is None:
             log.error("result for unknown batch %d dropped", res.batch_id)
@@ -161,18 +193,29 @@ class SchedulerCore:
         self.totals.worker_busy_seconds += res.compute_s
         if res.error:
             log.error("worker refused batch %d: %s", res.batch_id, res.error)
+        row_errors = res.row_errors
         sampled = dict(zip(unpack_ids(res.rows).tolist(), unpack_ids(res.tokens).tolist()))
         for req, step in steps:
             req.inflight -= 1
-            if res.error:
-                req.finish("error", f"the model worker failed this step: {res.error}")
-                self._emit(req)
+            why = res.error or row_errors.get(step.row)
+            if why is not None:
+                if req.state != State.FINISHED:
+                    log.error("request %s failed in batch %d: %s", req.rid, res.batch_id, why)
+                    req.finish("error", f"the model worker failed this request: {why}")
+                    self._emit(req)
                 continue
+            if req.finish_reason == "error":
+                continue  # its KV is not trusted any more: never published, never extended
             req.computed = max(req.computed, step.start + step.length)
             if step.start < req.prefill_target and req.state != State.FINISHED and not req.retracting:
-                self.rows.publish(req)  # a finished prefill chunk is shared at once (contract 1)
+                self.cache.publish(req)  # a finished prefill chunk is shared at once (contract 1)
             if step.sample and req.state != State.FINISHED:
-                self._append(req, sampled[step.row], res.logprobs.get(step.row))
+                token = sampled.get(step.row)
+                if token is None:
+                    req.finish("error", f"the model worker returned no token for row {step.row}")
+                    self._emit(req)
+                    continue
+                self._append(req, token, res.logprobs.get(step.row))
         for req, _ in steps:
             self._release_if_done(req)
 
@@ -189,60 +232,71 @@ class SchedulerCore:
         self._emit(req)
 
     def _release_if_done(self, req: Request) -> None:
-        if req.inflight > 0 or req.row is None:
+        if req.inflight > 0 or req.cache is None:
             return
         if req.state == State.FINISHED:
-            self.rows.release(req)
+            del self.live[req.row]
+            self.cache.release(req)
             self.requests.pop(req.rid, None)
         elif req.retracting:
-            self.rows.release(req)
+            del self.live[req.row]
+            self.cache.release(req)
             req.retract()
             self.waiting.append(req)
 
     def _emit(self, req: Request) -> None:
+        """Note that `req` has news; the RowOut is built once per loop turn."""
+        self.news[req.rid] = req
+
+    def _row_out(self, req: Request) -> Optional[RowOut]:
         new = req.output[req.reported_tokens:]
         if not new and req.state != State.FINISHED:
-            return
-        prev = self.outbox.get(req.rid)
-        ids = (unpack_ids(prev.token_ids).tolist() if prev else []) + new
-        lps = (prev.logprobs or []) if prev else []
-        lps = lps + req.pending_logprobs
+            return None
+        lps = req.pending_logprobs or None
         req.reported_tokens = len(req.output)
         req.pending_logprobs = []
-        self.outbox[req.rid] = RowOut(
-            req.rid, token_ids=pack_ids(ids), logprobs=lps or None,
-            finish_reason=req.finish_reason, error=req.error, prompt_tokens=len(req.prompt),
-            cached_tokens=req.cached_tokens, queue_time=req.queue_time)
+        return RowOut(req.rid, token_ids=np.asarray(new, "<i4").tobytes(), logprobs=lps,
+                      finish_reason=req.finish_reason, error=req.error,
+                      status=500 if req.finish_reason == "error" else 200,
+                      prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens,
+                      queue_time=req.queue_time)
 
     def take_outputs(self) -> list[RowOut]:
         outs = list(self.outbox.values())
         self.outbox.clear()
+        for req in self.news.values():
+            out = self._row_out(req)
+            if out is not None:
+                outs.append(out)
+        self.news.clear()
         return outs
 
     # -- state ---------------------------------------------------------------------
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.rows.live and not self.inflight
+        return not self.waiting and not self.live and not self.inflight
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting) or any(
             r.state in (State.PREFILLING, State.DECODING) and not r.retracting and not r.done_sampling
-            for r in self.rows.live.values())
+            for r in self.live.values())
 
     def stats(self) -> Stats:
+        """Counters kept as they change: no walk over the tree or the pool."""
         s = Stats(**{f: getattr(self.totals, f) for f in self.totals.__struct_fields__})
-        s.running = sum(1 for r in self.rows.live.values() if r.state != State.FINISHED)
+        s.running = sum(1 for r in self.live.values() if r.state != State.FINISHED)
         s.waiting = len(self.waiting)
         s.pages_total = self.pool.num_pages
         s.pages_free = self.pool.free_count
-        s.pages_cached = self.rows.cached_pages()
-        s.pages_in_use = s.pages_total - s.pages_free - s.pages_cached
+        s.pages_in_use = self.cache.pages_in_use
+        s.pages_cached = self.cache.pages_cached
         return s
 
     def check_integrity(self) -> None:
-        self.rows.check_integrity()
+        self.cache.check_integrity()
+        assert {r: q.cache for r, q in self.live.items()} == self.cache.handles, "live rows != handles"
         counts: dict[str, int] = {}
         for steps in self.inflight.values():
             for req, _ in steps:
@@ -251,5 +305,6 @@ class SchedulerCore:
             assert req.inflight == counts.get(req.rid, 0), (req.rid, req.inflight)
             assert (req.state == State.WAITING) == (req in self.waiting), (req.rid, req.state)
         if self.idle:
-            assert self.pool.free_count + self.rows.cached_pages() == self.pool.num_pages, \
+            tree_pages = self.cache.tree.num_pages if self.cache.tree is not None else 0
+            assert self.pool.free_count + tree_pages == self.pool.num_pages, \
                 "idle, yet pages are held by something other than the tree"

@@ -4,6 +4,11 @@
        ▲                   │                              │
        └────── retract ────┴──────────────────────────────┘
 
+Token ids stay int32 arrays: `prompt` is the wire array itself; `tokens` adds
+what was sampled (a copy only once there is output, e.g. after a retraction).
+The request's hold on the KV cache is `cache`, a handle only the cache manager
+(cache.py) reads or writes; the request knows its row slot through it, nothing more.
+
 Positions: `scheduled` counts the positions whose KV has been sent to the worker
 (in flight or done); `computed` those whose batch has reported back. A row's pages
 and slot are released only when `inflight == 0`: a batch the worker still holds
@@ -14,6 +19,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+import numpy as np
 
 from ferroxmp.protocol import Logprobs, SamplingParams
 
@@ -28,15 +35,15 @@ class State(enum.Enum):
 @dataclass
 class Request:
     rid: str
-    prompt: list[int]
+    prompt: np.ndarray  # int32
     params: SamplingParams
     arrival: float
     seed: int = 0
+    salt: str = ""  # prefixes are shared only between requests with the same salt
     output: list[int] = field(default_factory=list)
     state: State = State.WAITING
-    row: Optional[int] = None
-    pages: list[int] = field(default_factory=list)  # one ref held on each, position order
-    lock_node: Any = None  # radix node locked while the row reads adopted pages
+    cache: Any = None  # the cache manager's handle while the request holds a row
+    cache_match: tuple[int, int, int] = (-1, -1, 0)  # the cache manager's memo: (version, known_len, tokens)
     scheduled: int = 0
     computed: int = 0
     sampled_scheduled: int = 0  # sampling steps sent; output grows as they report
@@ -48,16 +55,21 @@ class Request:
     error: Optional[str] = None
     retractions: int = 0
     retracting: bool = False  # retracted, waiting for its batches in flight to report back
-    released_window_pages: bool = False  # sliding window freed early pages: can't publish all
     reported_tokens: int = 0  # outputs already sent to the frontend
     pending_logprobs: list[Logprobs] = field(default_factory=list)
     prefill_target: int = 0  # positions to prefill before sampling: all tokens known at admission
     sampled_before: int = 0  # outputs that existed at (re-)admission
 
     @property
-    def tokens(self) -> list[int]:
-        """Every token whose id is known: the prompt, then what was sampled."""
-        return self.prompt + self.output
+    def tokens(self) -> np.ndarray:
+        """Every token whose id is known, int32: the prompt, then what was sampled."""
+        if not self.output:
+            return self.prompt
+        return np.concatenate((self.prompt, np.asarray(self.output, dtype=np.int32)))
+
+    @property
+    def row(self) -> Optional[int]:
+        return self.cache.row if self.cache is not None else None
 
     @property
     def known_len(self) -> int:
@@ -69,10 +81,10 @@ class Request:
 
     # -- transitions ----------------------------------------------------------------
 
-    def admit(self, row: int, adopted: int, now: float) -> None:
-        assert self.state == State.WAITING, self.state
+    def admit(self, handle: Any, adopted: int, now: float) -> None:
+        assert self.state == State.WAITING and self.cache is None, self.state
         self.state = State.PREFILLING
-        self.row = row
+        self.cache = handle
         self.scheduled = self.computed = adopted
         self.prefill_target = self.known_len
         self.sampled_before = len(self.output)
@@ -92,15 +104,11 @@ class Request:
 
     def retract(self) -> None:
         """Back to WAITING, keeping its output: re-admission re-prefills prompt + output."""
-        assert self.inflight == 0
+        assert self.inflight == 0 and self.cache is None
         self.state = State.WAITING
-        self.row = None
-        self.pages = []
-        self.lock_node = None
         self.scheduled = self.computed = 0
         self.retractions += 1
         self.retracting = False
-        self.released_window_pages = False
 
     def finish(self, reason: str, error: Optional[str] = None) -> None:
         if self.state != State.FINISHED:

@@ -18,6 +18,7 @@ import time
 import zmq
 
 from ferroxmp.config import setup_logging, watch_parent
+from ferroxmp.liveness import Heartbeat
 from ferroxmp.protocol import (AbortReq, BatchResult, GenerateReq, ProtocolError, Ready, RowOut, Shutdown,
                                TokenOut, decode, encode, endpoints)
 from ferroxmp.radix.pages import PagePool
@@ -30,6 +31,7 @@ DEBUG_INTEGRITY = os.environ.get("FERROXMP_DEBUG_INTEGRITY") == "1"
 
 def run_scheduler(args: dict, run_dir: str, pool_name: str, worker_info: dict) -> int:
     parent_alive = watch_parent()
+    heart = Heartbeat(run_dir, "scheduler")  # stamped every loop turn (at least every HEARTBEAT_S)
     pool = PagePool.attach(pool_name, writer=True)
     core = SchedulerCore(pool, SchedulerConfig.from_launch(args, worker_info))
     max_inflight = 1 if args["disable_overlap"] else 2
@@ -53,6 +55,7 @@ def run_scheduler(args: dict, run_dir: str, pool_name: str, worker_info: dict) -
     last_beat = 0.0
     try:
         while not stop["now"]:
+            heart.beat()
             now = time.time()
             wait_ms = max(0, int((last_beat + HEARTBEAT_S - now) * 1000))
             ready = dict(poller.poll(wait_ms))
