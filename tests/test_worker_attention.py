@@ -1,9 +1,10 @@
-"""Paged attention (the batched fast path) against the reference implementation.
+"""Attention backends (plan once per step, forward per layer) against the reference.
 
 The oracle is `reference_attention`: one query at a time in float64, straight from the
 definition (causal, window W means key k > q - W), reading slots through the page table.
 Random pools, shuffled page tables, shared (adopted) pages, GQA, decode rows mixed with
-prefill chunks: any indexing, padding or mask error changes the output.
+prefill chunks: any indexing, padding or mask error changes the output. `run_backend`
+is shared with tests/test_triton_attention.py, so every backend meets the same cases.
 """
 from __future__ import annotations
 
@@ -11,58 +12,82 @@ import numpy as np
 import pytest
 import torch
 
-from ferroxmp.gpu_worker.attention import PlanError, build_plan, paged_attention, reference_attention
+from ferroxmp.gpu_worker.attention import PlanError, make_backend, plan_step, reference_attention
+from ferroxmp.gpu_worker.kv_pool import KVPool
 
 PS, KVH, H, D = 4, 2, 6, 8
+CPU = torch.device("cpu")
 
 
-def _setup(steps, window, seed=0, num_pages=64, pages_per_row=10, shared=()):
+def run_backend(name, steps, window, seed=0, num_pages=80, pages_per_row=10, shared=(), dtype=torch.float32, shuffle=True,
+                page_size=PS, heads=H, kv_heads=KVH, dim=D, layout=None):
     """Random prior KV everywhere, a shuffled page table per row; rows in `shared` reuse
-    row 0's first pages (adoption)."""
+    row 0's first pages (adoption). Returns (backend output in step order, reference)."""
     g = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
-    k_slots = torch.randn(num_pages * PS, KVH, D, generator=g)
-    v_slots = torch.randn(num_pages * PS, KVH, D, generator=g)
+    layout = layout or ("hnd" if name == "torch" else "nhd")
+    kv = KVPool(num_pages, page_size, 1, kv_heads, dim, dtype, CPU, layout)
+    kv.slots_view(0, "k").copy_(torch.randn(num_pages * page_size, kv_heads, dim, generator=g))
+    kv.slots_view(0, "v").copy_(torch.randn(num_pages * page_size, kv_heads, dim, generator=g))
     rows = 1 + max(r for r, _, _ in steps)
-    perm = rng.permutation(num_pages)[:rows * pages_per_row].reshape(rows, pages_per_row)
-    table = perm.astype(np.int32)
+    ids = rng.permutation(num_pages) if shuffle else np.arange(num_pages)
+    table = ids[:rows * pages_per_row].reshape(rows, pages_per_row).astype(np.int32)
     for r, n in shared:
         table[r, :n] = table[0, :n]
     T = sum(n for _, _, n in steps)
-    q = torch.randn(T, H, D, generator=g)
-    k_new = torch.randn(T, KVH, D, generator=g)
-    v_new = torch.randn(T, KVH, D, generator=g)
-    return k_slots, v_slots, table, q, k_new, v_new
-
-
-def _run(steps, window, **kw):
-    k_slots, v_slots, table, q, k_new, v_new = _setup(steps, window, **kw)
-    plan = build_plan(steps, table, PS, k_slots.shape[0] // PS, window, torch.device("cpu"))
+    q = torch.randn(T, heads, dim, generator=g).to(dtype)
+    k_new = torch.randn(T, kv_heads, dim, generator=g).to(dtype)
+    v_new = torch.randn(T, kv_heads, dim, generator=g).to(dtype)
+    backend = make_backend(kv, window, CPU, name)
+    plan = backend.plan(steps, table)
     plan.check_integrity()
-    # q/k/v arrive in step order; the fast path wants the plan's internal order.
+    # q/k/v arrive in step order; backends take the plan's internal order.
     starts = np.cumsum([0] + [n for _, _, n in steps])
     perm = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in plan.order])
-    out = paged_attention(q[perm], k_new[perm], v_new[perm], k_slots, v_slots, plan, PS)
+    out = backend.forward(0, q[perm], k_new[perm], v_new[perm])
     back = torch.empty_like(out)
     back[perm] = out
-    ref = reference_attention(q, k_slots, v_slots, steps, table, PS, window)
-    assert sorted(plan.order) == list(range(len(steps)))
+    ref = reference_attention(q, kv.slots_view(0, "k"), kv.slots_view(0, "v"), steps, table, page_size, window)
     return back, ref
+
+
+MIXED = [(0, 20, 1), (1, 3, 7), (2, 0, 1), (3, 9, 6), (4, 31, 1), (5, 8, 5), (6, 0, 12)]
 
 
 @pytest.mark.parametrize("window", [None, 5, 13])
 def test_mixed_decode_and_prefill_steps_match_the_reference(window):
-    """Three decode rows of different lengths (padding), two prefill chunks (one from 0,
-    one continuing at 9), one chunk of a row that adopted row 0's pages."""
-    steps = [(0, 20, 1), (1, 3, 7), (2, 0, 1), (3, 9, 6), (4, 31, 1), (5, 8, 5)]
-    out, ref = _run(steps, window, shared=[(5, 2)])
+    """Three decode rows of different lengths (padding), prefill chunks from 0 (the causal
+    path) and continuing at 3 and 9 (masked), one chunk of a row that adopted row 0's pages."""
+    out, ref = run_backend("torch", MIXED, window, shared=[(5, 2)])
     assert torch.allclose(out.double(), ref, atol=1e-5), (out.double() - ref).abs().max()
 
 
 def test_a_batch_of_only_decode_rows_matches_the_reference():
     steps = [(r, 4 * r + 2, 1) for r in range(6)]
-    out, ref = _run(steps, None, seed=1)
+    out, ref = run_backend("torch", steps, None, seed=1)
     assert torch.allclose(out.double(), ref, atol=1e-5)
+
+
+def test_decode_rows_that_read_exactly_whole_pages_need_no_mask_and_match():
+    """Every row at a page's last position: the backend skips the mask; it must still be right."""
+    steps = [(r, 4 * r + 3, 1) for r in range(5)]
+    out, ref = run_backend("torch", steps, None, seed=5)
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+
+
+def test_a_chunk_on_consecutive_pages_is_read_in_place_and_matches():
+    """Rows whose pages are consecutive in the pool take the no-copy path (from 0, causal;
+    and on top of earlier positions, masked)."""
+    out, ref = run_backend("torch", [(0, 0, 9), (1, 5, 9)], None, seed=2, pages_per_row=6,
+                           num_pages=12, shuffle=False)
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
+def test_half_precision_stays_within_its_rounding(dtype, tol):
+    out, ref = run_backend("torch", MIXED, 7, dtype=dtype, shared=[(5, 2)])
+    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < tol, err
 
 
 def test_the_window_lets_pages_outside_it_be_missing():
@@ -70,18 +95,18 @@ def test_the_window_lets_pages_outside_it_be_missing():
     naming the row, not a silent read of slot -4."""
     table = np.arange(32, dtype=np.int32).reshape(2, 16)
     table[0, :3] = -1  # positions 0..11 unreadable; window 5 at start 20 sees 16..20
-    plan = build_plan([(0, 20, 1)], table, PS, 32, 5, torch.device("cpu"))
+    plan = plan_step([(0, 20, 1)], table, PS, 32, 5)
     assert plan.n_decode == 1
-    build_plan([(0, 16, 4)], table, PS, 32, 5, torch.device("cpu"))  # chunk 16..19 sees 12..19
+    plan_step([(0, 16, 4)], table, PS, 32, 5)  # chunk 16..19 sees 12..19
     with pytest.raises(PlanError, match="row 0"):
-        build_plan([(0, 14, 1)], table, PS, 32, 5, torch.device("cpu"))  # sees 10, 11
+        plan_step([(0, 14, 1)], table, PS, 32, 5)  # sees 10, 11
     with pytest.raises(PlanError, match="row 0"):
-        build_plan([(0, 20, 1)], table, PS, 32, None, torch.device("cpu"))  # full causal reads page 0
+        plan_step([(0, 20, 1)], table, PS, 32, None)  # full causal reads page 0
 
 
 def test_a_position_beyond_the_page_table_is_a_plan_error():
     table = np.arange(8, dtype=np.int32).reshape(2, 4)
     with pytest.raises(PlanError, match="beyond"):
-        build_plan([(1, 15, 2)], table, PS, 8, None, torch.device("cpu"))
+        plan_step([(1, 15, 2)], table, PS, 8, None)
     with pytest.raises(PlanError):
-        build_plan([(1, 0, 1)], table * 0 + 8, PS, 8, None, torch.device("cpu"))  # page == num_pages
+        plan_step([(1, 0, 1)], table * 0 + 8, PS, 8, None)  # page == num_pages

@@ -115,8 +115,7 @@ def test_a_sliding_window_row_never_reads_pages_outside_its_window(tiny_models, 
     assert dead >= 10
     for i in range(dead):
         page = int(h.pool.page_table[1, i])
-        h.runner.kv.k[:, page * ps:(page + 1) * ps] = float("nan")
-        h.runner.kv.v[:, page * ps:(page + 1) * ps] = float("nan")
+        h.runner.kv.fill_page(page, float("nan"))
         h.pool.page_table[1, i] = -1
     toks = list(out[1])
     for _ in range(19):

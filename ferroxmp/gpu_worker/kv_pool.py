@@ -1,12 +1,16 @@
 """The KV page pool tensors, and how many pages fit in the memory budget.
 
-Job: own K and V for every layer, `[num_pages, page_size, kv_heads, head_dim]` each, on
-the model's device; page p of every layer is the same page (a page group).
+Job: own K and V for every layer on the model's device; page p of every layer is the
+same page (a page group). Two layouts, chosen by the attention backend:
+- "nhd": `[layers, slots, kv_heads, head_dim]`, i.e. per layer `[num_pages, page_size,
+  kv_heads, head_dim]` (FlashInfer's NHD paged layout; our Triton kernels read it too);
+- "hnd": `[layers, kv_heads, slots, head_dim]`: each head's positions of a page are one
+  contiguous block, so the CPU path gathers a row's pages per head with large copies and
+  hands SDPA `[kv_heads, positions, head_dim]` without a transpose.
 
 Invariants:
-- Slot s = page * page_size + offset addresses one token's K/V; `k_slots(layer)` and
-  `v_slots(layer)` are views `[num_pages * page_size, kv_heads, head_dim]` of the same
-  storage, so one indexed write or read moves a whole step's tokens.
+- Slot s = page * page_size + offset addresses one token's K/V in every layout;
+  `slots_view(layer)` is `[slots, kv_heads, head_dim]` in both (a view, strided for hnd).
 - The pool never frees or allocates pages: which page holds what is the scheduler's
   business (shared page table); this class only stores bytes.
 """
@@ -29,11 +33,14 @@ class KVPool:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    layout: str = "nhd"
     k: torch.Tensor = field(init=False, repr=False)  # [layers, slots, kv_heads, head_dim]
     v: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        shape = (self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
+        if self.layout not in ("nhd", "hnd"):
+            raise ValueError(f"unknown KV layout {self.layout!r}")
+        shape = self.shape
         # Zeros, not empty: a padded read of a never-written slot must be finite, or a
         # masked-out NaN would still poison softmax (0 * NaN).
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -41,8 +48,14 @@ class KVPool:
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, num_pages: int, page_size: int,
-                  dtype: torch.dtype, device: torch.device) -> "KVPool":
-        return cls(num_pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+                  dtype: torch.dtype, device: torch.device, layout: str = "nhd") -> "KVPool":
+        return cls(num_pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device, layout)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        if self.layout == "hnd":
+            return (self.num_layers, self.num_kv_heads, self.num_slots, self.head_dim)
+        return (self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
 
     @property
     def num_slots(self) -> int:
@@ -52,13 +65,22 @@ class KVPool:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
-    def page_view(self, layer: int, which: str = "k") -> torch.Tensor:
-        """[num_pages, page_size, kv_heads, head_dim] view of one layer (tests, debugging)."""
-        t = self.k if which == "k" else self.v
-        return t[layer].view(self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+    def slots_view(self, layer: int, which: str = "k") -> torch.Tensor:
+        """[slots, kv_heads, head_dim] view of one layer, whatever the layout."""
+        t = (self.k if which == "k" else self.v)[layer]
+        return t.transpose(0, 1) if self.layout == "hnd" else t
+
+    def fill_page(self, page: int, value: float) -> None:
+        """Overwrite one page of every layer, K and V (tests: poison a page never to be read)."""
+        span = slice(page * self.page_size, (page + 1) * self.page_size)
+        for t in (self.k, self.v):
+            if self.layout == "hnd":
+                t[:, :, span] = value
+            else:
+                t[:, span] = value
 
     def check_integrity(self) -> None:
-        assert self.k.shape == self.v.shape == (self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
+        assert self.k.shape == self.v.shape == self.shape
         assert self.k.is_contiguous() and self.v.is_contiguous()
 
 

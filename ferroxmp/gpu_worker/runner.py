@@ -25,7 +25,7 @@ import torch
 
 from ..protocol import BatchResult, ForwardBatch, ProtocolError, RowStep, SamplingParams, pack_ids, unpack_ids
 from ..radix.pages import PagePool
-from .attention import PlanError, build_plan
+from .attention import PlanError, backend_layout, make_backend
 from .kv_pool import KVPool
 from .loader import ModelConfig, load_config, load_weights, resolve_device
 from .models import build_model
@@ -48,16 +48,26 @@ class RowState:
 
 class ModelRunner:
     def __init__(self, model_path: str, pool: PagePool, page_size: int, device: str = "auto",
-                 dtype: str = "auto"):
+                 dtype: str = "auto", attention: str = "auto"):
         self.device = resolve_device(device)
         self.config: ModelConfig = load_config(model_path, dtype)
         weights = load_weights(model_path, self.device, self.config.dtype)
         self.model = build_model(self.config, weights, self.device)
         self.pool = pool
         self.page_size = page_size
-        self.kv = KVPool.for_model(self.config, pool.num_pages, page_size, self.config.dtype, self.device)
+        self.kv = KVPool.for_model(self.config, pool.num_pages, page_size, self.config.dtype, self.device,
+                                   layout=backend_layout(self.device, attention))
+        self.attn = make_backend(self.kv, self.config.sliding_window, self.device, attention)
         self.rows: dict[int, RowState] = {}
-        self.last_logits: Optional[torch.Tensor] = None
+        self._logits: Optional[torch.Tensor] = None  # the last step's, left on the device
+
+    @property
+    def last_logits(self) -> torch.Tensor:
+        """Raw logits [sampled rows, vocab] of the last step, copied to the host only when
+        asked (tests): the step itself never moves them off the device."""
+        if self._logits is None:
+            return torch.empty(0, self.config.vocab_size)
+        return self._logits.float().cpu()
 
     def row_tokens(self, row: int) -> list[int]:
         return list(self.rows[row].tokens)
@@ -109,8 +119,7 @@ class ModelRunner:
             triples = [(s.row, s.start, s.length) for s in batch.steps]
             # Copy the rows' table entries now: the scheduler may write other entries meanwhile.
             table = np.array(self.pool.page_table)
-            plan = build_plan(triples, table, self.page_size, self.kv.num_pages,
-                              self.config.sliding_window, self.device)
+            plan = self.attn.plan(triples, table)
         except (BatchError, PlanError, ProtocolError) as e:
             log.warning("batch %d refused: %s", batch.batch_id, e)
             return BatchResult(batch_id=batch.batch_id, error=str(e))
@@ -127,10 +136,11 @@ class ModelRunner:
             s = batch.steps[i]
             ids.extend(state[s.row].tokens[s.start:s.start + s.length])
         with torch.inference_mode():
-            hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device), plan, self.kv)
+            positions = torch.from_numpy(plan.positions).to(self.device)
+            hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device), positions, self.attn)
             sampling = [i for i, s in enumerate(batch.steps) if s.sample]
             if not sampling:
-                self.last_logits = torch.empty(0, self.config.vocab_size)
+                self._logits = None
                 self.rows.update(staged)
                 return BatchResult(batch_id=batch.batch_id, compute_s=time.perf_counter() - t0)
             index = torch.tensor([plan.last_index[i] for i in sampling], device=self.device)
@@ -144,7 +154,7 @@ class ModelRunner:
             lps = logprobs_of(logits[lp_rows], chosen[lp_rows],
                               [want[j].params.logprobs for j in lp_rows]) if lp_rows else []
         tokens = chosen.tolist()
-        self.last_logits = logits.cpu()
+        self._logits = logits
         self.rows.update(staged)
         for r, tok in zip(rows, tokens):
             self.rows[r].tokens.append(tok)

@@ -1,7 +1,8 @@
 """The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3.
 
 Job: embeddings -> N x (RMSNorm, attention with RoPE over the paged KV pool, RMSNorm,
-SwiGLU MLP) -> final norm -> lm_head, on a flat batch of tokens described by a StepPlan.
+SwiGLU MLP) -> final norm -> lm_head, on a flat batch of tokens; the attention backend
+(planned once per step by the runner) does the paged part, layer by layer.
 The four architectures differ only by flags read from ModelConfig and by which tensors
 the checkpoint holds: q/k/v biases (Qwen2), q/k RMSNorm (Qwen3), tied embeddings,
 llama3 RoPE scaling, a sliding window (Mistral; handled by the plan).
@@ -23,8 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..attention import StepPlan, paged_attention
-from ..kv_pool import KVPool
+from ..attention import AttentionBackend
 from ..loader import ModelConfig
 
 
@@ -104,13 +104,13 @@ class DecoderLM:
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return w * F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_norm_eps).to(x.dtype)
 
-    def forward(self, input_ids: torch.Tensor, plan: StepPlan, kv: KVPool) -> torch.Tensor:
-        """input_ids [T] in the plan's internal order -> final hidden states [T, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions [T] in the plan's internal order -> final hidden states [T, hidden]."""
         cfg = self.cfg
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_w, kv_w = nh * hd, nkv * hd
-        cos = self.cos_table[plan.positions].to(self.dtype)[:, None, :]
-        sin = self.sin_table[plan.positions].to(self.dtype)[:, None, :]
+        cos = self.cos_table[positions].to(self.dtype)[:, None, :]
+        sin = self.sin_table[positions].to(self.dtype)[:, None, :]
         half = hd // 2
 
         def rope(x: torch.Tensor) -> torch.Tensor:
@@ -126,8 +126,8 @@ class DecoderLM:
             v = qkv[:, q_w + kv_w:].view(T, nkv, hd)
             if L.q_norm is not None:
                 q, k = self._rms(q, L.q_norm), self._rms(k, L.k_norm)
-            attn = paged_attention(rope(q), rope(k), v, kv.k[li], kv.v[li], plan, kv.page_size)
-            h = h + F.linear(attn.reshape(T, q_w), L.w_o, L.b_o)
+            o = attn.forward(li, rope(q), rope(k), v)
+            h = h + F.linear(o.reshape(T, q_w), L.w_o, L.b_o)
             x = self._rms(h, L.post_norm)
             gu = F.linear(x, L.w_gate_up)
             h = h + F.linear(F.silu(gu[:, :cfg.intermediate_size]) * gu[:, cfg.intermediate_size:], L.w_down)
