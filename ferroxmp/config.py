@@ -41,6 +41,8 @@ class ServerArgs:
     api_key: Optional[str] = _f(None, "Require 'Authorization: Bearer KEY' on /v1 endpoints.")
     log_level: str = _f("info", "Log level.", ["debug", "info", "warning", "error"])
     shutdown_grace: float = _f(30.0, "Seconds SIGTERM waits for running requests before stopping.")
+    stall_timeout: float = _f(60.0, "Seconds a living process may stay silent (paused, stuck) before its "
+                              "stacks are dumped to the log and the server is stopped as for a death.")
     max_body_bytes: int = _f(8 * 1024 * 1024, "Largest request body accepted (413 beyond).")
     http_threads: int = _f(512, "HTTP worker threads (each streaming client holds one).")
     seed: int = _f(0, "Seed for requests that give none.")
@@ -70,6 +72,8 @@ class ServerArgs:
             bad("max_model_len", f"must be at least 2, got {self.max_model_len}")
         if self.queue_timeout <= 0:
             bad("queue_timeout", f"must be positive, got {self.queue_timeout}")
+        if self.stall_timeout <= 0:
+            bad("stall_timeout", f"must be positive, got {self.stall_timeout}")
         if self.shutdown_grace < 0:
             bad("shutdown_grace", f"must be >= 0, got {self.shutdown_grace}")
         if self.max_batch_tokens < self.max_running_requests and self.max_batch_tokens < 1:

@@ -3,11 +3,17 @@ wait for each to report ready, watch them, and tear everything down.
 
 Invariants: nothing outlives the supervisor — on any exit path the children are
 stopped, the shared-memory pool is unlinked and the run directory (sockets,
-launch.json) is removed. A child that dies takes the server down with exit 1
-(in-flight clients get an error first); SIGTERM/SIGINT drains and exits 0.
+launch.json, liveness) is removed; when the supervisor is SIGKILLed its children
+remove it, and a later start removes any a dead supervisor left. A child that dies
+takes the server down with exit 1 (in-flight clients get an error first). A child
+that is alive but silent for `--stall-timeout` has its Python stacks dumped to the
+log and is then treated as dead; a shorter silence costs only latency.
+SIGTERM/SIGINT drains and exits 0. No secret is written to disk: the API key
+reaches the frontend through a pipe on its stdin.
 """
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -23,16 +29,35 @@ from typing import Optional
 import zmq
 
 from ferroxmp.config import ServerArgs, setup_logging
+from ferroxmp.liveness import Monitor, process_state
 from ferroxmp.protocol import ProtocolError, Ready, Shutdown, decode, encode, endpoints
 
 log = logging.getLogger("ferroxmp.supervisor")
 READY_TIMEOUT_S = 900.0  # model loading on a slow disk
+WATCH_S = 0.2
+SELF_PAUSE_S = 2.0  # a watch turn this late means the supervisor itself was not running
+DUMP_WAIT_S = 1.0  # time for a stalled child to write its stacks after SIGUSR1
 MODULES = {"worker": "ferroxmp.gpu_worker.worker", "scheduler": "ferroxmp.scheduler.scheduler",
            "frontend": "ferroxmp.frontend.server"}
 
 
 class ChildDied(RuntimeError):
     pass
+
+
+class ChildStalled(ChildDied):
+    pass
+
+
+def remove_stale_run_dirs() -> None:
+    """Run directories whose supervisor is gone (SIGKILLed, and its children too)."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "ferroxmp-*-*")):
+        try:
+            pid = int(os.path.basename(path).split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        if os.path.isdir(path) and os.stat(path).st_uid == os.getuid() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def unlink_segment(name: str) -> None:
@@ -46,14 +71,18 @@ def unlink_segment(name: str) -> None:
 class Supervisor:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
-        self.run_dir = tempfile.mkdtemp(prefix="ferroxmp-")  # mode 0700
+        remove_stale_run_dirs()
+        self.run_dir = tempfile.mkdtemp(prefix=f"ferroxmp-{os.getpid()}-")  # mode 0700
+        self.monitor = Monitor(self.run_dir, args.stall_timeout)
         self.pool_name = f"fxmp_{os.getpid()}_{secrets.token_hex(4)}"
         self.ctx = zmq.Context()
         self.ep = endpoints(self.run_dir)
         self.ready_sock = self.ctx.socket(zmq.PULL)
         self.ready_sock.bind(self.ep["supervisor"])
         self.children: dict[str, subprocess.Popen] = {}
-        self.launch: dict = {"args": args.to_dict(), "pool_name": self.pool_name}
+        # The key stays off the disk: the frontend reads it from a pipe (see start).
+        self.launch: dict = {"args": {**args.to_dict(), "api_key": None}, "pool_name": self.pool_name,
+                             "secrets_on_stdin": True}
         self.signalled: Optional[int] = None
 
     def _write_launch(self) -> None:
@@ -64,9 +93,16 @@ class Supervisor:
 
     def start(self, name: str) -> Ready:
         self._write_launch()
-        self.children[name] = subprocess.Popen(
-            [sys.executable, "-m", MODULES[name], "--run-dir", self.run_dir],
+        proc = subprocess.Popen(
+            [sys.executable, "-m", MODULES[name], "--run-dir", self.run_dir], stdin=subprocess.PIPE,
             start_new_session=True)  # a terminal's Ctrl-C reaches the supervisor only: it drains
+        self.children[name] = proc
+        secrets_ = {"api_key": self.args.api_key} if name == "frontend" else {}
+        try:
+            proc.stdin.write(json.dumps(secrets_).encode())
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it died at once; _check_children says so
         deadline = time.time() + READY_TIMEOUT_S
         while time.time() < deadline:
             self._check_children()
@@ -79,6 +115,7 @@ class Supervisor:
                     log.error("dropped a frame on the supervisor socket: %s", e)
                     continue
                 if isinstance(msg, Ready) and msg.name == name:
+                    self.monitor.watch(name)
                     return msg
         raise ChildDied(f"{name} did not report ready within {READY_TIMEOUT_S:.0f}s")
 
@@ -87,6 +124,24 @@ class Supervisor:
             rc = proc.poll()
             if rc is not None:
                 raise ChildDied(f"{name} (pid {proc.pid}) exited with {rc}")
+
+    def _check_stall(self) -> None:
+        """A child silent past --stall-timeout: dump its stacks, then stop as for a death."""
+        found = self.monitor.stalled()
+        if found is None:
+            return
+        name, quiet = found
+        proc = self.children[name]
+        state = process_state(proc.pid)
+        log.error("%s (pid %d, state %s) has been silent for %.1fs (--stall-timeout %.0fs); its Python "
+                  "stacks follow%s", name, proc.pid, state, quiet, self.args.stall_timeout,
+                  " (it is STOPPED, so it cannot write them)" if state == "T" else "")
+        try:
+            os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(DUMP_WAIT_S)
+        except ProcessLookupError:
+            pass
+        raise ChildStalled(f"{name} (pid {proc.pid}) stalled: silent for {quiet:.0f}s")
 
     def _on_signal(self, signum, _frame) -> None:
         self.signalled = signum
@@ -107,9 +162,16 @@ class Supervisor:
             self.start("frontend")
             log.info("serving %s on http://%s:%d (OpenAI API under /v1)",
                      self.args.model_name, self.args.host, self.args.port)
+            last = time.monotonic()
             while self.signalled is None:
                 self._check_children()
-                time.sleep(0.2)
+                now = time.monotonic()
+                if now - last > SELF_PAUSE_S:
+                    log.warning("the supervisor itself did not run for %.1fs; stall clocks restart", now - last)
+                    self.monitor.forgive()
+                last = now
+                self._check_stall()
+                time.sleep(WATCH_S)
             return self._drain()
         except ChildDied as e:
             log.error("%s; stopping the server", e)
@@ -162,6 +224,7 @@ class Supervisor:
                 proc.kill()
                 proc.wait()
         unlink_segment(self.pool_name)
+        self.monitor.close()
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         log.info("stopped; nothing left behind")

@@ -3,13 +3,20 @@
 One background thread owns the PULL socket: it decodes each TokenOut, records
 its Stats (a heartbeat), and puts every RowOut on the queue registered for its
 rid. Request threads send through `submit` / `abort`, serialised by a lock
-because a zmq socket is not thread-safe.
+because a zmq socket is not thread-safe. That thread also stamps the frontend's
+liveness for the supervisor on every turn (at least every 0.2 s).
+
+A late heartbeat is never a reason to fail a request: a scheduler that is slow,
+paused or busy is still going to answer, and one that died is reported by the
+supervisor (which waits on it) with a `Shutdown`. Only `/health` reads the
+heartbeat's age.
 
 Invariants: a RowOut for an rid nobody routes (a request that already ended,
 e.g. the final answer to our own stop-string AbortReq) is dropped; a malformed
 frame is logged and dropped, never kills the thread; a `Shutdown` marks the
 bridge dead and wakes every routed queue with the SHUTDOWN sentinel so no
-request waits for an answer that will not come; sends never block (a scheduler
+request waits for an answer that will not come (`fail_all` does the same when the
+drain's grace period ends); sends never block (a scheduler
 that stopped reading turns into an ApiError 503, not a hung HTTP thread).
 """
 from __future__ import annotations
@@ -24,6 +31,7 @@ import zmq
 
 from ferroxmp import protocol
 from ferroxmp.frontend.errors import ApiError
+from ferroxmp.liveness import Heartbeat
 from ferroxmp.protocol import AbortReq, GenerateReq, Shutdown, Stats, TokenOut
 
 log = logging.getLogger("ferroxmp.frontend")
@@ -33,7 +41,7 @@ SHUTDOWN = object()  # put on every routed queue when the server is going down
 
 class Bridge:
     def __init__(self, run_dir: str, heartbeat_timeout: float = 5.0,
-                 on_stats: Optional[Callable[[Stats], None]] = None):
+                 on_stats: Optional[Callable[[Stats], None]] = None, liveness: Optional[Heartbeat] = None):
         ep = protocol.endpoints(run_dir)
         self.ctx = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
@@ -44,6 +52,7 @@ class Bridge:
         self.push.connect(ep["scheduler"])
         self.heartbeat_timeout = heartbeat_timeout
         self.on_stats = on_stats
+        self.liveness = liveness
         self.routes: dict[str, queue.SimpleQueue] = {}
         self.last_heartbeat: Optional[float] = None  # monotonic
         self.started = time.monotonic()
@@ -57,14 +66,9 @@ class Bridge:
 
     @property
     def heartbeat_fresh(self) -> bool:
+        """For /health only: the scheduler answered lately."""
         return (self.last_heartbeat is not None
                 and time.monotonic() - self.last_heartbeat < self.heartbeat_timeout)
-
-    @property
-    def stale(self) -> bool:
-        """No heartbeat for too long (counting from start until the first one arrives)."""
-        last = self.last_heartbeat if self.last_heartbeat is not None else self.started
-        return time.monotonic() - last >= self.heartbeat_timeout
 
     @property
     def in_flight(self) -> int:
@@ -115,6 +119,8 @@ class Bridge:
         poller = zmq.Poller()
         poller.register(self.pull, zmq.POLLIN)
         while not self._stop.is_set():
+            if self.liveness is not None:
+                self.liveness.beat()
             if not poller.poll(200):
                 continue
             try:
@@ -141,13 +147,17 @@ class Bridge:
                     q.put(out)
         elif isinstance(msg, Shutdown):
             log.error("shutdown requested by the supervisor: %s", msg.reason or "no reason given")
-            self.dead_reason = msg.reason or "a server process stopped"
-            with self._routes_lock:
-                waiting = {id(q): q for q in self.routes.values()}
-            for q in waiting.values():
-                q.put(SHUTDOWN)
+            self.fail_all(msg.reason or "a server process stopped")
         else:
             log.warning("frontend ignores unexpected %s message", type(msg).__name__)
+
+    def fail_all(self, reason: str) -> None:
+        """No answer will come: every routed request ends with an error now."""
+        self.dead_reason = reason
+        with self._routes_lock:
+            waiting = {id(q): q for q in self.routes.values()}
+        for q in waiting.values():
+            q.put(SHUTDOWN)
 
     def close(self) -> None:
         self._stop.set()

@@ -6,8 +6,10 @@ that queue and turns each RowOut into a Delta per choice: new token ids, their
 logprobs, and the text released by that choice's Detokenizer and StopMatcher.
 
 Invariants: every wait has a timeout, after which the client (disconnected ->
-ClientGone), the bridge (Shutdown -> 503, no heartbeat -> 503) are re-checked,
-so no thread waits forever; a refusal RowOut becomes the ApiError it names; a
+ClientGone) and the bridge (Shutdown -> 503) are re-checked, so no thread waits
+forever once the client leaves or a process dies. A silent scheduler is waited
+for: a stall costs latency, and one past --stall-timeout is stopped by the
+supervisor, which then sends the Shutdown; a refusal RowOut becomes the ApiError it names; a
 matched stop string finishes the choice with "stop" and sends AbortReq(rid,
 "stop"); `close()` (always called, even on errors and disconnects) aborts every
 unfinished choice and unroutes every rid exactly once.
@@ -81,6 +83,7 @@ class Generation:
     n: int = 1
     stops: list[str] = field(default_factory=list)
     is_disconnected: Callable[[], bool] = lambda: False
+    cache_salt: str = ""  # prefixes are shared only between requests with the same salt
     arrival: float = field(default_factory=time.time)
     choices: list[Choice] = field(default_factory=list)
     _q: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
@@ -98,7 +101,8 @@ class Generation:
                 self.choices.append(Choice(i, rid, ids, detok,
                                            StopMatcher(list(self.stops)), prompt_tokens=len(ids)))
                 sp = params if params.seed is None or j == 0 else _with_seed(params, params.seed + j)
-                reqs.append(GenerateReq(rid=rid, input_ids=pack_ids(ids), params=sp, arrival=self.arrival))
+                reqs.append(GenerateReq(rid=rid, input_ids=pack_ids(ids), params=sp, arrival=self.arrival,
+                                        cache_salt=self.cache_salt))
         self._by_rid = {c.rid: c for c in self.choices}
         self.bridge.submit(reqs, self._q)
 
@@ -148,8 +152,6 @@ class Generation:
                     raise ClientGone()
             if item is not None:
                 return item
-            if self.bridge.stale:
-                raise ApiError(503, "the scheduler stopped responding; retry later", code="scheduler_unavailable")
 
     def _apply(self, c: Choice, out: RowOut) -> Delta:
         now = time.time()

@@ -1,14 +1,23 @@
 """The frontend process: waitress serving the Flask app, and its lifecycle.
 
 `python -m ferroxmp.frontend.server --run-dir DIR` reads DIR/launch.json
-({"args", "worker_info", "pids"}) and calls `run_frontend`. HTTP runs on a
-background thread; the main thread only watches for the ways the process ends:
+({"args", "worker_info", "pids"}) and, when it says "secrets_on_stdin", the API
+key from a JSON object on stdin (the supervisor's pipe: no secret on disk), and
+calls `run_frontend`. HTTP runs on a background thread; the main thread only
+watches for the ways the process ends:
 
 - SIGTERM / SIGINT: drain. New requests get 503, running ones finish (up to
-  args["shutdown_grace"] seconds), exit 0. A second signal exits at once.
+  args["shutdown_grace"] seconds), exit 0; those still running then end with an
+  error (an SSE error event, or a 503). A second signal exits at once.
 - Shutdown from the supervisor (another process died): every in-flight request
   ends with an error, then exit 1.
-- The parent (supervisor) dies: PR_SET_PDEATHSIG and a getppid() poll, exit 1.
+- The parent (supervisor) dies: PR_SET_PDEATHSIG and a getppid() poll, exit 1,
+  and the run directory is removed (nobody else is left to).
+
+Connections: idle and slow clients cost memory, not service. waitress keeps every
+connection in one poll loop; its cap (`connection_limit`, beyond which it stops
+accepting — the old 1,024 cap denied service) is set from the file-descriptor
+limit, raised to the hard limit. Threads serve only requests whose headers are in.
 
 Invariant: the supervisor hears `Ready(name="frontend", info={"port"})` only
 after the HTTP socket is bound and listening.
@@ -35,18 +44,23 @@ from ferroxmp.frontend.bridge import Bridge
 from ferroxmp.frontend.metrics import Metrics
 from ferroxmp.frontend.state import FrontendState
 from ferroxmp.frontend.tokenizer import TextCodec
+from ferroxmp.liveness import Heartbeat, remove_if_orphaned
 
 log = logging.getLogger("ferroxmp.frontend")
 
 _WATCH_S = 0.2
 _SHUTDOWN_FLUSH_S = 2.0  # in-flight requests write their error; the supervisor waits 3 s for us
+_FD_RESERVE = 256  # descriptors kept for zmq, the tokenizer, logs
+_MAX_CONNECTIONS = 65536
 
 
-def _raise_fd_limit() -> None:
-    # Each streaming client holds a socket; hundreds of them exceed a soft limit of 1024.
+def _connection_limit() -> int:
+    """Raise the descriptor limit to the hard limit; every client connection holds one."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    return max(64, min(_MAX_CONNECTIONS, soft - _FD_RESERVE))
 
 
 def _send_ready(run_dir: str, port: int) -> None:
@@ -71,7 +85,7 @@ def run_frontend(args: dict, run_dir: str, worker_info: dict, pids: dict) -> int
     """Serve until drained (0), told to shut down (1) or orphaned (1)."""
     parent = os.getppid()
     watch_parent(signal.SIGHUP)
-    _raise_fd_limit()
+    connections = _connection_limit()
     import prometheus_client
     prometheus_client.disable_created_metrics()
 
@@ -90,20 +104,20 @@ def run_frontend(args: dict, run_dir: str, worker_info: dict, pids: dict) -> int
 
     codec = TextCodec(args["model"])
     metrics = Metrics(int(worker_info.get("num_pages") or 0))
-    bridge = Bridge(run_dir, on_stats=metrics.update_stats)
+    bridge = Bridge(run_dir, on_stats=metrics.update_stats, liveness=Heartbeat(run_dir, "frontend"))
     bridge.start()
     state = FrontendState(args=args, worker_info=worker_info, pids=pids, codec=codec, bridge=bridge,
                           metrics=metrics)
     threads = int(args.get("http_threads") or 64)
     server = waitress.create_server(
         create_app(state), host=args.get("host") or "127.0.0.1", port=int(args.get("port") or 0),
-        threads=threads, connection_limit=max(1000, 2 * threads), backlog=2048,
+        threads=threads, connection_limit=connections, backlog=2048,
         channel_request_lookahead=1,  # keeps reading while a request runs, so a disconnect is seen
         asyncore_use_poll=True, ident="ferroxmp", clear_untrusted_proxy_headers=True)
     port = int(server.effective_port)
     threading.Thread(target=server.run, name="http", daemon=True).start()
-    log.info("frontend serving %s on http://%s:%d (%d threads)", state.model_name,
-             args.get("host"), port, threads)
+    log.info("frontend serving %s on http://%s:%d (%d threads, up to %d connections)", state.model_name,
+             args.get("host"), port, threads, connections)
     _send_ready(run_dir, port)
 
     code = 0
@@ -124,9 +138,12 @@ def run_frontend(args: dict, run_dir: str, worker_info: dict, pids: dict) -> int
                 log.info("draining: %d request(s) in flight, up to %.0f s", state.in_flight, grace)
                 _wait_until(lambda: state.in_flight == 0 or signals["term"] > 1
                             or bridge.dead_reason is not None, grace)
-                if state.in_flight:
-                    log.warning("stopping with %d request(s) still in flight", state.in_flight)
                 code = 1 if bridge.dead_reason is not None else 0
+                if state.in_flight:
+                    log.warning("the grace period ended: %d request(s) still in flight end with an error",
+                                state.in_flight)
+                    bridge.fail_all("the shutdown grace period ended")
+                    _wait_until(lambda: state.in_flight == 0, _SHUTDOWN_FLUSH_S)
                 break
     finally:
         try:
@@ -141,14 +158,19 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m ferroxmp.frontend.server")
     parser.add_argument("--run-dir", required=True)
     ns = parser.parse_args(argv)
+    parent = os.getppid()
     with open(os.path.join(ns.run_dir, "launch.json"), encoding="utf-8") as f:
         launch = json.load(f)
     setup_logging("frontend", str(launch["args"].get("log_level") or "info"))
+    args = dict(launch["args"])
+    if launch.get("secrets_on_stdin"):
+        args.update(json.loads(sys.stdin.read() or "{}"))
     try:
-        code = run_frontend(launch["args"], ns.run_dir, launch["worker_info"], launch.get("pids") or {})
+        code = run_frontend(args, ns.run_dir, launch["worker_info"], launch.get("pids") or {})
     except Exception:
         logging.getLogger("ferroxmp.frontend").exception("frontend failed")
         code = 1
+    remove_if_orphaned(ns.run_dir, parent)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

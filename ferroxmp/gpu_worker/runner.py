@@ -11,7 +11,9 @@ Invariants:
   past the known tokens, a sampling step that does not end at the last known token, a
   page -1 or out of range where it must be read or written, a duplicate row) gets
   `BatchResult(error=...)` and leaves every row as it was. The runner never raises.
-- Row state is committed only after the forward pass and sampling succeeded.
+- Row state is committed only after the forward pass and sampling succeeded. A
+  forward or a row that fails anyway fails only its rows (`isolation.py`): they are
+  reported in `row_errors`, and the worker stays in step with the scheduler.
 """
 from __future__ import annotations
 
@@ -26,10 +28,11 @@ import torch
 from ..protocol import BatchResult, ForwardBatch, ProtocolError, RowStep, SamplingParams, pack_ids, unpack_ids
 from ..radix.pages import PagePool
 from .attention import PlanError, backend_layout, make_backend
+from .isolation import fail_batch, skip_failed
 from .kv_pool import KVPool
 from .loader import ModelConfig, load_config, load_weights, resolve_device
 from .models import build_model
-from .sampler import RowSample, logprobs_of, sample
+from .sampler import RowSample, logprobs_of, sample_rows
 
 log = logging.getLogger("ferroxmp.worker")
 
@@ -59,6 +62,8 @@ class ModelRunner:
                                    layout=backend_layout(self.device, attention))
         self.attn = make_backend(self.kv, self.config.sliding_window, self.device, attention)
         self.rows: dict[int, RowState] = {}
+        self.failed: dict[int, str] = {}  # row -> why; its steps are skipped until a NewRow restarts it
+        self.faults = None  # test-only fault injection (faults.py), set by the worker process
         self._logits: Optional[torch.Tensor] = None  # the last step's, left on the device
 
     @property
@@ -110,6 +115,7 @@ class ModelRunner:
 
     def execute(self, batch: ForwardBatch) -> BatchResult:
         t0 = time.perf_counter()
+        batch, skipped = skip_failed(self.failed, batch)
         try:
             staged = self._stage_rows(batch)
             self._check_steps(batch.steps, staged)
@@ -124,10 +130,13 @@ class ModelRunner:
             log.warning("batch %d refused: %s", batch.batch_id, e)
             return BatchResult(batch_id=batch.batch_id, error=str(e))
         try:
-            return self._run(batch, staged, plan, t0)
-        except Exception as e:  # a bug or OOM must not kill the worker; the scheduler decides
+            result = self._run(batch, staged, plan, t0)
+        except Exception as e:  # a bug or OOM must not kill the worker: only this batch's rows fail
             log.exception("batch %d failed", batch.batch_id)
-            return BatchResult(batch_id=batch.batch_id, error=f"worker failed: {type(e).__name__}: {e}")
+            result = fail_batch(self.failed, self.rows, staged, batch,
+                                f"worker failed: {type(e).__name__}: {e}", t0)
+        result.row_errors.update(skipped)
+        return result
 
     def _run(self, batch: ForwardBatch, staged: dict[int, RowState], plan, t0: float) -> BatchResult:
         state = {**self.rows, **staged}
@@ -135,6 +144,8 @@ class ModelRunner:
         for i in plan.order:
             s = batch.steps[i]
             ids.extend(state[s.row].tokens[s.start:s.start + s.length])
+        if self.faults is not None:
+            self.faults.before_forward(ids)
         with torch.inference_mode():
             positions = torch.from_numpy(plan.positions).to(self.device)
             hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device), positions, self.attn)
@@ -147,17 +158,20 @@ class ModelRunner:
             logits = self.model.logits(hidden[index])
             rows = [batch.steps[i].row for i in sampling]
             want = [state[r] for r in rows]
-            chosen = sample(logits, [RowSample(st.params, st.seed, len(st.tokens),
-                                               st.tokens if st.params.has_penalties else None, st.prompt_len)
-                                     for st in want])
-            lp_rows = [j for j, st in enumerate(want) if st.params.logprobs is not None]
+            chosen, bad = sample_rows(logits, [RowSample(st.params, st.seed, len(st.tokens),
+                                                         st.tokens if st.params.has_penalties else None,
+                                                         st.prompt_len) for st in want], self.faults)
+            lp_rows = [j for j, st in enumerate(want) if st.params.logprobs is not None and j not in bad]
             lps = logprobs_of(logits[lp_rows], chosen[lp_rows],
                               [want[j].params.logprobs for j in lp_rows]) if lp_rows else []
-        tokens = chosen.tolist()
         self._logits = logits
         self.rows.update(staged)
-        for r, tok in zip(rows, tokens):
+        row_errors = {rows[j]: why for j, why in bad.items()}
+        self.failed.update(row_errors)
+        ok = [(r, tok) for j, (r, tok) in enumerate(zip(rows, chosen.tolist())) if j not in bad]
+        for r, tok in ok:
             self.rows[r].tokens.append(tok)
-        return BatchResult(batch_id=batch.batch_id, rows=pack_ids(rows), tokens=pack_ids(tokens),
+        return BatchResult(batch_id=batch.batch_id, rows=pack_ids([r for r, _ in ok]),
+                           tokens=pack_ids([t for _, t in ok]),
                            logprobs={rows[j]: lp for j, lp in zip(lp_rows, lps)},
-                           compute_s=time.perf_counter() - t0)
+                           compute_s=time.perf_counter() - t0, row_errors=row_errors)

@@ -11,9 +11,14 @@ Invariants:
   does not depend on which other rows share the batch, nor on whether the row was
   retracted and re-sent (its positions are the same), nor on the device.
 - Filters never remove the most likely token, so a row always has a candidate.
+- top_k is clamped to the vocabulary (any larger value means "off"), so no value the
+  edge let through can overflow a tensor.
+- `sample_rows` isolates rows: if the batch cannot be sampled, each row is sampled
+  alone and only the rows that still fail are reported, by index.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -25,6 +30,7 @@ _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # splitmix64 constants as signed int64
 _M2 = 0x94D049BB133111EB - (1 << 64)
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 MAX_TOP_LOGPROBS = 20
+log = logging.getLogger("ferroxmp.worker")
 
 
 def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
@@ -89,7 +95,7 @@ def _filter(scaled: torch.Tensor, rows: Sequence[RowSample]) -> torch.Tensor:
     """-inf outside each row's top-k / top-p / min-p set (computed on temperature-scaled
     probabilities, as transformers' warpers do)."""
     dev = scaled.device
-    top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
+    top_k = torch.tensor([min(r.params.top_k, scaled.shape[1]) for r in rows], device=dev)
     top_p = torch.tensor([r.params.top_p for r in rows], device=dev, dtype=torch.float32)
     min_p = torch.tensor([r.params.min_p for r in rows], device=dev, dtype=torch.float32)
     probs = torch.softmax(scaled, dim=-1)
@@ -120,6 +126,29 @@ def sample(logits: torch.Tensor, rows: Sequence[RowSample]) -> torch.Tensor:
         noise = gumbel_noise([r.seed for r in sub], [r.position for r in sub], logits.shape[1], logits.device)
         out[rand] = (scaled.double() + noise).argmax(dim=-1)
     return out
+
+
+def sample_rows(logits: torch.Tensor, rows: Sequence[RowSample], faults=None) -> tuple[torch.Tensor, dict[int, str]]:
+    """`sample` over the batch; if that raises, every row alone (a row's draw depends
+    on nothing else in the batch, so alone equals batched). Returns the chosen ids and
+    {row index: why} for the rows that could not be sampled (their id is meaningless)."""
+    try:
+        if faults is not None:
+            faults.before_sample([r.seed for r in rows])
+        return sample(logits, rows), {}
+    except Exception as e:
+        log.warning("sampling a batch of %d rows failed (%s: %s); sampling them one by one",
+                    len(rows), type(e).__name__, e)
+    chosen = torch.zeros(len(rows), dtype=torch.int64, device=logits.device)
+    errors: dict[int, str] = {}
+    for i, r in enumerate(rows):
+        try:
+            if faults is not None:
+                faults.before_sample([r.seed])
+            chosen[i] = sample(logits[i:i + 1], [r])[0]
+        except Exception as e:
+            errors[i] = f"sampling failed: {type(e).__name__}: {e}"
+    return chosen, errors
 
 
 def logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, top_n: Sequence[int]) -> list[Logprobs]:

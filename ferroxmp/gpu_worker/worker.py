@@ -12,8 +12,13 @@ Invariants:
   parent death).
 - It exits within ~2 s of its parent dying (PR_SET_PDEATHSIG where available, and a
   getppid() check on every idle poll), never lingering as an orphan.
-- A malformed frame is logged and dropped; a bad batch gets an error result. Nothing a
-  peer sends can kill it.
+- A malformed frame is logged and dropped; a bad batch gets an error result, a batch
+  that fails in the forward fails only its rows (`isolation.py`). Nothing a peer sends
+  can kill it.
+- Liveness: it beats (`liveness.Heartbeat`) on every turn of its loop, before and
+  after each batch, so one forward must end within --stall-timeout. If its parent
+  died, it removes the run directory on the way out.
+- FERROXMP_FAULT_INJECT (tests only, `faults.py`) is read once here.
 """
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ import zmq
 
 from .. import protocol
 from ..config import ServerArgs, setup_logging, watch_parent
+from ..liveness import Heartbeat, remove_if_orphaned
+from . import faults
 from ..radix.pages import PagePool
 from .kv_pool import pages_for_budget
 from .loader import UnsupportedModel, load_config, resolve_device, weight_bytes
@@ -53,7 +60,9 @@ def _cores() -> int:
 
 def run_worker(args: dict, run_dir: str, pool_name: str) -> int:
     sa = ServerArgs.from_dict(args)
+    parent = os.getppid()
     parent_alive = watch_parent(signal.SIGTERM)
+    heart = Heartbeat(run_dir, "worker")
     signal.signal(signal.SIGTERM, _on_sigterm)
     torch.set_num_threads(_cores())
     model_path = sa.model
@@ -73,6 +82,7 @@ def run_worker(args: dict, run_dir: str, pool_name: str) -> int:
         pool = PagePool.create(num_pages, max_rows=sa.max_running_requests,
                                max_pages_per_row=max_pages_per_row, name=pool_name)
         runner = ModelRunner(model_path, pool, sa.page_size, device=sa.device, dtype=sa.dtype)
+        runner.faults = faults.from_env()
         ends = protocol.endpoints(run_dir)
         ctx = zmq.Context()
         pull = ctx.socket(zmq.PULL)
@@ -88,19 +98,21 @@ def run_worker(args: dict, run_dir: str, pool_name: str) -> int:
                 "dtype": cfg.dtype_name, "device": str(runner.device), "model_path": model_path}
         supervisor.send(protocol.encode(protocol.Ready(name="worker", pid=os.getpid(), info=info)))
         log.info("worker ready: %s", info)
-        return _serve(runner, pull, results, parent_alive)
+        return _serve(runner, pull, results, parent_alive, heart)
     finally:
         if ctx is not None:
             ctx.destroy(linger=0)
         if pool is not None:
             pool.close()
             pool.unlink()
+        remove_if_orphaned(run_dir, parent)
 
 
-def _serve(runner: ModelRunner, pull: zmq.Socket, results: zmq.Socket, parent_alive) -> int:
+def _serve(runner: ModelRunner, pull: zmq.Socket, results: zmq.Socket, parent_alive, heart: Heartbeat) -> int:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     while True:
+        heart.beat()
         if not poller.poll(POLL_MS):
             if not parent_alive():
                 log.warning("the supervisor is gone; exiting")

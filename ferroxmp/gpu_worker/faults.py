@@ -1,0 +1,72 @@
+"""Test-only fault injection for the worker, read once from FERROXMP_FAULT_INJECT.
+
+Tests use it to prove that a failing forward or row ends only the requests it
+touches and never hangs the server. Unset (always, in production) it is `None`
+and each hook is one `is None` check per batch.
+
+    FERROXMP_FAULT_INJECT="forward_raise_token=7;forward_hang_token=9:30;sample_raise_seed=666"
+
+- forward_raise_token=T: a forward whose input holds token id T raises.
+- forward_hang_token=T:S: a forward whose input holds token id T sleeps S seconds
+  (a stuck process: the supervisor's stall timeout must catch it).
+- sample_raise_seed=S: sampling a row whose seed is S raises (a row the worker
+  cannot compute, among healthy ones).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+log = logging.getLogger("ferroxmp.worker")
+ENV = "FERROXMP_FAULT_INJECT"
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Faults:
+    forward_raise_token: Optional[int] = None
+    forward_hang_token: Optional[int] = None
+    forward_hang_s: float = 0.0
+    sample_raise_seed: Optional[int] = None
+
+    @classmethod
+    def parse(cls, spec: str) -> "Faults":
+        kw: dict = {}
+        for part in filter(None, (p.strip() for p in spec.split(";"))):
+            key, _, value = part.partition("=")
+            if key == "forward_raise_token":
+                kw["forward_raise_token"] = int(value)
+            elif key == "forward_hang_token":
+                token, _, seconds = value.partition(":")
+                kw["forward_hang_token"], kw["forward_hang_s"] = int(token), float(seconds or 3600)
+            elif key == "sample_raise_seed":
+                kw["sample_raise_seed"] = int(value)
+            else:
+                raise ValueError(f"{ENV}: unknown fault {key!r}")
+        return cls(**kw)
+
+    def before_forward(self, ids: Sequence[int]) -> None:
+        if self.forward_hang_token is not None and self.forward_hang_token in ids:
+            log.warning("fault injection: forward hangs for %.0fs", self.forward_hang_s)
+            time.sleep(self.forward_hang_s)
+        if self.forward_raise_token is not None and self.forward_raise_token in ids:
+            raise InjectedFault(f"injected forward failure (token {self.forward_raise_token})")
+
+    def before_sample(self, seeds: Sequence[int]) -> None:
+        if self.sample_raise_seed is not None and self.sample_raise_seed in seeds:
+            raise InjectedFault(f"injected sampling failure (seed {self.sample_raise_seed})")
+
+
+def from_env() -> Optional[Faults]:
+    spec = os.environ.get(ENV)
+    if not spec:
+        return None
+    faults = Faults.parse(spec)
+    log.warning("FAULT INJECTION ACTIVE (test only): %s", faults)
+    return faults
