@@ -30,6 +30,11 @@ from ferroxmp.frontend.state import FrontendState
 log = logging.getLogger("ferroxmp.frontend")
 _json = msgspec.json.Encoder()
 _GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
+_STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+# The chat page loads only its own files and talks only to this server; even a reply that
+# slipped past textContent as markup could not run a script or load anything.
+_PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+             "img-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
 
 
 def _json_response(obj, status: int = 200) -> Response:
@@ -42,7 +47,7 @@ def _error_response(e: ApiError) -> Response:
 
 
 def create_app(state: FrontendState) -> Flask:
-    app = Flask("ferroxmp.frontend")
+    app = Flask("ferroxmp.frontend", static_folder=_STATIC_DIR, static_url_path="/static")
     app.config["MAX_CONTENT_LENGTH"] = int(state.args.get("max_body_bytes") or 8 * 1024 * 1024)
 
     @app.before_request
@@ -50,7 +55,7 @@ def create_app(state: FrontendState) -> Flask:
         g.request_id = uuid.uuid4().hex[:24]
         key = state.args.get("api_key")
         path = request.path
-        if key and (path.startswith("/v1/") or path == "/generate"):
+        if key and (path.startswith("/v1/") or path in ("/generate", "/stats")):
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
@@ -182,6 +187,18 @@ def create_app(state: FrontendState) -> Flask:
     @app.get("/metrics")
     def metrics():
         return Response(state.metrics.render(), mimetype=None, content_type=CONTENT_TYPE)
+
+    @app.get("/stats")
+    def stats():
+        """The scheduler's latest Stats heartbeat as JSON, for the chat page's server panel."""
+        return _json_response(msgspec.structs.asdict(state.metrics.stats))
+
+    @app.get("/")
+    def chat_page():
+        resp = app.send_static_file("index.html")
+        resp.headers["Content-Security-Policy"] = _PAGE_CSP
+        resp.headers["X-Content-Type-Options"] = "nosniff"
+        return resp
 
     return app
 
