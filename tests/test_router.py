@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -229,10 +230,11 @@ class Router:
         cmd = [sys.executable, "-m", "ferroxmp.cli", "router", "--port", str(self.port), *flags]
         for b in backends:
             cmd += ["--backend", b]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd)
+        self.log = tempfile.TemporaryFile()  # a file, not a pipe: nobody reads it until the end
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd)
         deadline = time.time() + 60
         while True:
-            assert self.proc.poll() is None, self.proc.stdout.read().decode()
+            assert self.proc.poll() is None, self.output()
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code in (200, 503):
                     break
@@ -249,6 +251,10 @@ class Router:
                 out[name] = float(value)
         return out
 
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-4000:]
+
     def health(self) -> dict:
         return requests.get(self.url + "/health", timeout=10).json()
 
@@ -260,7 +266,7 @@ class Router:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.proc.stdout.close()
+        self.log.close()
 
 
 @pytest.fixture
@@ -344,7 +350,7 @@ def test_a_request_that_cannot_connect_is_retried_on_another_backend(stubs, rout
     the other one, once; the dead one is then skipped."""
     gone, alive = stubs(), stubs()
     alive.pieces = [b"data: [DONE]\n\n"]
-    r = router([gone.url, alive.url], "--policy", "round-robin", "--health-interval", "60")
+    r = router([gone.url, alive.url], "--policy", "round-robin", "--health-interval", "3600")
     assert [b["healthy"] for b in r.health()["backends"]] == [True, True]
     gone.close()
     for _ in range(3):
@@ -395,3 +401,180 @@ def _wait(cond, timeout: float) -> None:
     while not cond():
         assert time.time() < deadline, "condition not met in time"
         time.sleep(0.1)
+
+
+# ---- a real router in front of real ferroxmp servers ----------------------------------
+
+@pytest.fixture(scope="module")
+def pair(tiny_models):
+    """Two servers on the same tiny llama checkpoint, stopped (leaving nothing) at module end."""
+    started: list[ServerProcess] = []
+    try:
+        for _ in range(2):
+            started.append(ServerProcess(tiny_models["llama"], *SERVER_FLAGS))
+        yield started
+    finally:
+        left = []
+        for srv in started:
+            srv.stop()
+            left += srv.leftovers()
+        assert not left, f"left behind after stop: {left}"
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """A server's own counters: prompt, cached-prompt tokens, and requests finished (all reasons)."""
+    out = {"requests": 0.0}
+    for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("ferroxmp_requests_total{"):
+            out["requests"] += float(value)
+        elif name in ("ferroxmp_prompt_tokens_total", "ferroxmp_cached_prompt_tokens_total"):
+            out[name] = float(value)
+    return out
+
+
+def _settled(url: str, timeout: float = 20.0) -> dict[str, float]:
+    """Counters once two reads a scheduler heartbeat apart agree (the token counters ride on it)."""
+    deadline, last = time.time() + timeout, _scrape(url)
+    while time.time() < deadline:
+        time.sleep(1.1)
+        now = _scrape(url)
+        if now == last:
+            return now
+        last = now
+    raise TimeoutError(f"{url}/metrics did not settle: {last}")
+
+
+def _grew(before: dict, after: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
+def _answer(url: str, path: str, body: dict) -> tuple[str, str, dict]:
+    """(text, finish_reason, usage) of one greedy request, streamed or not."""
+    body = {**body, "temperature": 0.0, "max_tokens": 12}
+    key = "text" if path == "/v1/completions" else "message"
+    if not body.get("stream"):
+        r = requests.post(url + path, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return (choice["text"] if key == "text" else choice["message"]["content"]), choice["finish_reason"], \
+            r.json()["usage"]
+    body["stream_options"] = {"include_usage": True}
+    r = requests.post(url + path, json=body, stream=True, timeout=60)
+    assert r.status_code == 200, r.text
+    text, finish, usage = "", None, None
+    for event in stream_lines(r):
+        if event == b"[DONE]":
+            break
+        for c in event["choices"]:
+            text += c.get("text") or (c.get("delta") or {}).get("content") or ""
+            finish = c.get("finish_reason") or finish
+        usage = event.get("usage") or usage
+    return text, finish, usage
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "The river bends past the mill and the old stone bridge"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me about the old stone bridge."}]}),
+])
+def test_answers_through_the_router_equal_the_backends_own(pair, router, path, body, stream):
+    """Round-robin sends the request once to each backend; every answer through the router must
+    be the one a backend gives directly (greedy): same text, same finish, same token counts."""
+    r = router([s.url for s in pair], "--policy", "round-robin")
+    direct = _answer(pair[0].url, path, {**body, "stream": stream})
+    assert direct[0]
+    for _ in range(2):
+        text, finish, usage = _answer(r.url, path, {**body, "stream": stream})
+        assert (text, finish) == direct[:2]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == \
+            (direct[2]["prompt_tokens"], direct[2]["completion_tokens"])
+
+
+def test_round_robin_alternates_between_the_backends(pair, router):
+    """Which backend served each request is read from the backends' own request counters."""
+    r = router([s.url for s in pair], "--policy", "round-robin")
+    served = []
+    for i in range(4):
+        before = [_scrape(s.url)["requests"] for s in pair]
+        _answer(r.url, "/v1/completions", {"prompt": f"request number {i} about bridges"})
+        after = [_scrape(s.url)["requests"] for s in pair]
+        grew = [a - b for a, b in zip(after, before)]
+        assert sorted(grew) == [0, 1], grew
+        served.append(grew.index(1))
+    assert served in ([0, 1, 0, 1], [1, 0, 1, 0])
+
+
+def test_cache_aware_keeps_each_conversation_on_one_backend(pair, router):
+    """Every turn of a conversation resends the ones before: under cache-aware routing all of a
+    conversation's prompt tokens must land on one backend (its own counters say so) and every
+    later turn must be a prefix-cache hit there (its own usage says so); a second conversation,
+    arriving while the first backend is no busier, goes to the other backend."""
+    r = router([s.url for s in pair], "--policy", "cache-aware")
+    homes = []
+    for conv in range(2):
+        messages = [{"role": "system", "content": f"Conversation {conv}: you answer questions about rivers."}]
+        before = [_settled(s.url) for s in pair]
+        prompt_tokens, cached = 0, []
+        for turn in range(4):
+            messages.append({"role": "user", "content": f"Question {turn}: where does the river go after "
+                                                        f"the mill, and why does it bend there?"})
+            text, _, usage = _answer(r.url, "/v1/chat/completions", {"messages": messages})
+            messages.append({"role": "assistant", "content": text})
+            prompt_tokens += usage["prompt_tokens"]
+            cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+        grew = [_grew(b, _settled(s.url)) for b, s in zip(before, pair)]
+        got = [g["ferroxmp_prompt_tokens_total"] for g in grew]
+        assert sorted(got) == [0, prompt_tokens], got
+        homes.append(got.index(prompt_tokens))
+        assert all(c > 0 for c in cached[1:]), cached
+        assert grew[homes[-1]]["ferroxmp_cached_prompt_tokens_total"] == sum(cached)
+    assert homes[0] != homes[1]
+    assert r.metrics()["ferroxmp_router_cache_affinity_hits_total"] == 6  # turns 2..4 of each
+
+
+@pytest.mark.timeout(600)
+def test_killing_a_backend_fails_only_its_requests_in_flight(pair, tiny_models, router):
+    """Four long streams, two on each backend (round-robin; each backend's /server_info says so);
+    the second backend's frontend is SIGKILLed. Its two streams must end with an error event, the
+    first backend's two must finish whole; new requests all succeed on the survivor (its counters
+    say so), the one meant for the dead backend after a retry (a long --health-interval keeps the
+    poller out of it)."""
+    survivor = pair[0]
+    victim = ServerProcess(tiny_models["llama"], *SERVER_FLAGS)
+    try:
+        r = router([survivor.url, victim.url], "--policy", "round-robin", "--health-interval", "3600")
+        body = {"prompt": "A long story about the river", "max_tokens": 400, "ignore_eos": True,
+                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+
+        def stream(_):
+            """(status, SSE events or the error body): a backend that dies before its first token
+            fails the request with a 502, one that dies later with an error event."""
+            resp = requests.post(r.url + "/v1/completions", json=body, stream=True, timeout=120)
+            return resp.status_code, list(stream_lines(resp)) if resp.status_code == 200 else resp.json()
+
+        def in_flight(srv):
+            return requests.get(srv.url + "/server_info", timeout=10).json()["in_flight"]
+
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(stream, i) for i in range(4)]
+            _wait(lambda: in_flight(survivor) == 2 and in_flight(victim) == 2, 60)
+            os.kill(victim.pids["frontend"], signal.SIGKILL)
+            results = [f.result(timeout=300) for f in futures]
+        whole = [ev for status, ev in results if status == 200 and ev[-1] == b"[DONE]" and "usage" in ev[-2]]
+        assert len(whole) == 2, results
+        assert all(ev[-2]["usage"]["completion_tokens"] == 400 for ev in whole)
+        for status, ev in results:
+            if status != 200:
+                assert status == 502 and ev["error"]["code"] == "backend_failed", ev
+            elif ev not in whole:
+                assert "error" in ev[-2] and ev[-1] == b"[DONE]", ev[-3:]
+        before = _scrape(survivor.url)["requests"]
+        for i in range(4):
+            assert _answer(r.url, "/v1/completions", {"prompt": f"after the crash {i}"})[0]
+        assert _scrape(survivor.url)["requests"] - before == 4
+        assert r.metrics()["ferroxmp_router_retries_total"] == 1
+        assert [b["healthy"] for b in r.health()["backends"]] == [True, False]
+    finally:
+        victim.stop()
+    assert not victim.leftovers()
