@@ -110,3 +110,80 @@ class LocalEngine:
     def close(self) -> None:
         self.pool.close()
         self.pool.unlink()
+
+
+class StubEngine:
+    """The real SchedulerCore with a stub worker: no model, so scheduling tests count
+    steps and pages in milliseconds. The stub answers every sampling step with token
+    `7 + row` (never an EOS: the config has none), or with what `answer` returns."""
+
+    def __init__(self, num_pages: int = 256, page_size: int = 4, max_batch_tokens: int = 64,
+                 max_rows: int = 8, max_model_len: int = 512, radix: bool = True, aging_s: float = 5.0):
+        self.pool = PagePool.create(num_pages, max_rows, -(-max_model_len // page_size))
+        self.core = SchedulerCore(self.pool, SchedulerConfig(
+            page_size=page_size, max_batch_tokens=max_batch_tokens, max_model_len=max_model_len,
+            vocab_size=1000, radix=radix, aging_s=aging_s))
+        self.queue: deque[ForwardBatch] = deque()
+        self.outs: dict[str, list] = {}  # rid -> every RowOut it got
+        self._n = 0
+
+    def submit(self, prompt: list[int], max_tokens: int = 4, cache_salt: str = "", age: float = 0.0) -> str:
+        rid = f"req-{self._n}"
+        self._n += 1
+        now = time.time()
+        msg = GenerateReq(rid, pack_ids(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                          now - age, cache_salt=cache_salt)
+        assert self.core.add_request(msg, now) is None
+        return rid
+
+    def request(self, rid: str) -> Optional[Request]:
+        return self.core.requests.get(rid)
+
+    def build(self) -> Optional[ForwardBatch]:
+        batch = self.core.build_batch(time.time())
+        if batch is not None:
+            self.queue.append(batch)
+        self.core.check_integrity()
+        return batch
+
+    def answer(self, batch: ForwardBatch, row_errors: Optional[dict] = None, error: Optional[str] = None):
+        from ferroxmp.protocol import BatchResult
+        if error is not None:
+            return BatchResult(batch.batch_id, error=error)
+        row_errors = row_errors or {}
+        rows = [s.row for s in batch.steps if s.sample and s.row not in row_errors]
+        return BatchResult(batch.batch_id, rows=pack_ids(rows), tokens=pack_ids([7 + r for r in rows]),
+                           row_errors=row_errors)
+
+    def report(self, result) -> None:
+        """Hand the oldest batch's result to the core (the queue is FIFO, like the worker)."""
+        batch = self.queue.popleft()
+        assert result.batch_id == batch.batch_id
+        self.core.process_result(result, time.time())
+        self.collect()
+        self.core.check_integrity()
+
+    def collect(self) -> None:
+        for out in self.core.take_outputs():
+            self.outs.setdefault(out.rid, []).append(out)
+
+    def step(self, overlap: bool = True) -> bool:
+        while len(self.queue) < (2 if overlap else 1) and self.build() is not None:
+            pass
+        if not self.queue:
+            return False
+        self.report(self.answer(self.queue[0]))
+        return True
+
+    def finish_reason(self, rid: str) -> Optional[str]:
+        return next((o.finish_reason for o in self.outs.get(rid, []) if o.finish_reason), None)
+
+    def run_to_idle(self, max_steps: int = 1000) -> None:
+        for _ in range(max_steps):
+            if not self.step() and self.core.idle:
+                return
+        raise AssertionError(f"not idle after {max_steps} steps")
+
+    def close(self) -> None:
+        self.pool.close()
+        self.pool.unlink()

@@ -30,6 +30,9 @@ from ferroxmp.radix.pages import PagePool
 from ferroxmp.radix.tree import RadixCache
 
 
+_VECTOR_MIN = 32  # page lists this long go through numpy
+
+
 def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
@@ -90,16 +93,26 @@ class CacheManager:
     # -- writes --------------------------------------------------------------------
 
     def _hold(self, pages: list[int]) -> None:
-        if pages:
-            idx = np.asarray(pages, np.int64)  # distinct within a row
-            self.pages_in_use += int(np.count_nonzero(self.row_refs[idx] == 0))
-            self.row_refs[idx] += 1
+        refs = self.row_refs
+        if len(pages) < _VECTOR_MIN:  # a decode row's one new page: numpy would cost more
+            for p in pages:
+                self.pages_in_use += refs[p] == 0
+                refs[p] += 1
+            return
+        idx = np.asarray(pages, np.int64)  # distinct within a row
+        self.pages_in_use += int(np.count_nonzero(refs[idx] == 0))
+        refs[idx] += 1
 
     def _unhold(self, pages: list[int]) -> None:
-        if pages:
-            idx = np.asarray(pages, np.int64)
-            self.row_refs[idx] -= 1
-            self.pages_in_use -= int(np.count_nonzero(self.row_refs[idx] == 0))
+        refs = self.row_refs
+        if len(pages) < _VECTOR_MIN:
+            for p in pages:
+                refs[p] -= 1
+                self.pages_in_use -= refs[p] == 0
+            return
+        idx = np.asarray(pages, np.int64)
+        refs[idx] -= 1
+        self.pages_in_use -= int(np.count_nonzero(refs[idx] == 0))
 
     def _alloc(self, n: int) -> Optional[list[int]]:
         """n fresh pages, evicting least-recently-used tree leaves first if needed."""
@@ -135,9 +148,9 @@ class CacheManager:
 
     def allocate(self, handle: CacheHandle, positions: int) -> bool:
         """Make sure the row has pages for `positions` positions."""
-        need = pages_for(positions, self.page_size) - len(handle.pages)
-        if need <= 0:
+        if positions <= len(handle.pages) * self.page_size:
             return True
+        need = pages_for(positions, self.page_size) - len(handle.pages)
         fresh = self._alloc(need)
         if fresh is None:
             return False
@@ -147,8 +160,9 @@ class CacheManager:
         self.pool.page_table[handle.row, start:start + need] = fresh
         return True
 
-    def set_length(self, handle: CacheHandle, positions: int) -> None:
-        self.pool.row_lens[handle.row] = positions
+    def set_lengths(self, rows: list[int], positions: list[int]) -> None:
+        """Row lengths (positions scheduled) of the rows a step names, in one write."""
+        self.pool.row_lens[rows] = positions
 
     def publish(self, req) -> None:
         """Insert the page-aligned prefix whose KV is computed into the tree (contract 1).

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
+import struct
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -152,12 +153,14 @@ class SchedulerCore:
             new_rows.append(self.new_row(req))
         if not plan.steps:
             return None
-        steps = []
+        steps, rows, ends = [], [], []
         for req, length, sample in plan.steps:
             step = RowStep(req.row, req.scheduled, length, sample)
             req.schedule(length, sample)
-            self.cache.set_length(req.cache, req.scheduled)
             steps.append((req, step))
+            rows.append(step.row)
+            ends.append(req.scheduled)
+        self.cache.set_lengths(rows, ends)
         batch = ForwardBatch(self.next_batch_id, new_rows, [s for _, s in steps])
         self.inflight[batch.batch_id] = steps
         self.next_batch_id += 1
@@ -255,7 +258,7 @@ class SchedulerCore:
         lps = req.pending_logprobs or None
         req.reported_tokens = len(req.output)
         req.pending_logprobs = []
-        return RowOut(req.rid, token_ids=np.asarray(new, "<i4").tobytes(), logprobs=lps,
+        return RowOut(req.rid, token_ids=struct.pack(f"<{len(new)}i", *new), logprobs=lps,
                       finish_reason=req.finish_reason, error=req.error,
                       status=500 if req.finish_reason == "error" else 200,
                       prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens,

@@ -1,0 +1,188 @@
+"""The scheduler core with a stub worker (tests/engine.py StubEngine): admission counted
+in steps, aging, per-row worker errors, tenants' salts, the cache manager's reads.
+
+No model runs, so every assertion is about what the core planned and what it holds:
+which batch admitted which request, which pages are held by whom (the pool's
+refcounts, checked against every holder by `check_integrity` after every step)."""
+from __future__ import annotations
+
+import pytest
+
+from engine import StubEngine
+from ferroxmp.protocol import unpack_ids
+from ferroxmp.scheduler.request import State
+
+PREFIX = list(range(100, 164))  # 64 tokens: 16 pages of 4
+
+
+@pytest.fixture
+def stub():
+    made: list[StubEngine] = []
+
+    def make(**kw) -> StubEngine:
+        eng = StubEngine(**kw)
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        eng.close()
+
+
+def warm(eng: StubEngine, prompt: list[int], salt: str = "") -> None:
+    eng.submit(prompt, 1, cache_salt=salt)
+    eng.run_to_idle()
+
+
+def cached(eng: StubEngine, rid: str) -> int:
+    return eng.outs[rid][-1].cached_tokens
+
+
+def test_a_warm_burst_is_admitted_in_one_step(stub):
+    """32 requests share a prefix the tree holds: all are admitted by the first batch.
+    The old rule deferred every request whose first pages equalled a prefilling row's,
+    so a warm burst went in one request per step."""
+    eng = stub(num_pages=512, max_batch_tokens=256, max_rows=40)
+    warm(eng, PREFIX + [5])
+    rids = [eng.submit(PREFIX + [200 + i, 300 + i, 400 + i], 4) for i in range(32)]
+    batch = eng.build()
+    assert len(batch.new_rows) == 32, f"only {len(batch.new_rows)} of a warm burst of 32 admitted at once"
+    assert all(eng.request(r).cached_tokens == 64 for r in rids)
+    eng.run_to_idle()
+    assert all(eng.finish_reason(r) == "length" for r in rids)
+
+
+def test_a_cold_burst_waits_for_the_shared_prefix_then_is_admitted_at_once(stub):
+    """Nothing cached: the first request computes the shared prefix and the others wait
+    for it (computing it beside it would do the work 8 times); once it is published,
+    the seven are admitted in one step, each adopting all 64 tokens."""
+    eng = stub(num_pages=512, max_batch_tokens=32, max_rows=16)
+    first = eng.submit(PREFIX + [1, 2, 3], 4)
+    rids = [eng.submit(PREFIX + [200 + i, 300 + i, 400 + i], 4) for i in range(7)]
+    while not all(eng.request(r).state != State.WAITING for r in rids):
+        assert eng.step()
+    waits = [eng.request(r).admitted_at for r in rids]
+    assert eng.request(first).computed >= 64
+    assert all(eng.request(r).cached_tokens == 64 for r in rids), [eng.request(r).cached_tokens for r in rids]
+    assert len(set(waits)) == 1, "the seven sharing a published prefix must be admitted in one step"
+    eng.run_to_idle()
+    assert eng.core.totals.prompt_tokens - eng.core.totals.cached_prompt_tokens == 67 + 7 * 3
+
+
+def test_an_aged_request_waiting_for_a_prefix_is_not_passed_by_a_younger_one(stub):
+    """An aged request whose prefix a row is prefilling waits for it; a younger request
+    that fits must not be admitted past it meanwhile (the old `continue` let it)."""
+    eng = stub(num_pages=512, max_batch_tokens=16, max_rows=8)
+    eng.submit(PREFIX + [1], 2)
+    eng.build()  # its first chunk: the prefix is being computed
+    aged = eng.submit(PREFIX + [9, 9, 9], 2, age=10.0)
+    young = eng.submit(list(range(500, 520)), 2)
+    eng.build()
+    assert eng.request(aged).state == State.WAITING, "the aged request must wait for the prefix"
+    assert eng.request(young).state == State.WAITING, "a younger request passed an aged one"
+    eng.run_to_idle()
+    assert cached(eng, aged) == 64, "the aged request must adopt the prefix it waited for"
+    assert eng.finish_reason(aged) == eng.finish_reason(young) == "length"
+
+
+def test_an_aged_request_that_does_not_fit_blocks_younger_ones(stub):
+    """While an aged request cannot get its pages, nothing younger is admitted, so
+    running rows drain until it fits: it is never starved by small requests."""
+    eng = stub(num_pages=40, max_batch_tokens=128, max_rows=8)
+    hog = eng.submit(list(range(5, 105)), 20)  # 25 pages, 30 with its output
+    while eng.request(hog).state != State.DECODING:
+        eng.step()
+    big = eng.submit(list(range(200, 260)), 4, age=10.0)  # 15 pages: not beside the hog
+    small = eng.submit(list(range(300, 310)), 4)          # 3 pages: would fit
+    while eng.request(big).state == State.WAITING:
+        assert eng.request(small).state == State.WAITING, "a younger request passed an aged one"
+        assert eng.step()
+    eng.run_to_idle()
+    assert [eng.finish_reason(r) for r in (hog, big, small)] == ["length"] * 3
+
+
+def test_a_row_the_worker_could_not_compute_fails_alone_and_releases_once(stub):
+    """Batch 0 reports row_errors for one row while batch 1, which also names it, is
+    in flight. That request ends with finish_reason "error" and status 500; its pages
+    stay held until batch 1 reports (the worker may still read them), then return
+    once; the other rows run to their length."""
+    eng = stub(num_pages=64, max_batch_tokens=64)
+    a, b, c = (eng.submit(list(range(k, k + 10)), 6) for k in (10, 30, 50))
+    b0, b1 = eng.build(), eng.build()
+    row_b = eng.request(b).row
+    pages_b = list(eng.request(b).cache.pages)
+    assert any(s.row == row_b for s in b1.steps), "the test needs the failing row in both batches"
+    eng.report(eng.answer(b0, row_errors={row_b: "injected failure"}))
+    out = eng.outs[b][-1]
+    assert (out.finish_reason, out.status) == ("error", 500) and "injected failure" in out.error
+    assert unpack_ids(out.token_ids).size == 0
+    assert row_b in eng.core.live and all(eng.pool.refs[p] >= 1 for p in pages_b), \
+        "pages released while batch 1 may still read them"
+    eng.report(eng.answer(b1, row_errors={row_b: "unknown row"}))
+    assert row_b not in eng.core.live and all(eng.pool.refs[p] == 0 for p in pages_b)
+    later = [eng.build()]
+    assert all(s.row != row_b for s in later[0].steps), "a failed row was stepped again"
+    eng.run_to_idle()
+    assert [eng.finish_reason(r) for r in (a, c)] == ["length", "length"]
+    assert [sum(unpack_ids(o.token_ids).size for o in eng.outs[r]) for r in (a, c)] == [6, 6]
+    assert len(eng.outs[b]) == 1, "the failed request got more than its one final RowOut"
+
+
+def test_a_batch_the_worker_refused_ends_only_its_own_rows(stub):
+    """A whole-batch error ends the rows of that batch; a request admitted in the next
+    batch (planned while the failed one was in flight) completes."""
+    eng = stub(num_pages=64, max_batch_tokens=64)
+    a = eng.submit(list(range(10, 20)), 6)
+    b0 = eng.build()
+    d = eng.submit(list(range(40, 50)), 6)
+    b1 = eng.build()
+    assert [nr.row for nr in b1.new_rows] == [eng.request(d).row]
+    eng.report(eng.answer(b0, error="worker failed: injected"))
+    assert eng.finish_reason(a) == "error" and eng.outs[a][-1].status == 500
+    eng.report(eng.answer(b1))
+    eng.run_to_idle()
+    assert eng.finish_reason(d) == "length"
+    assert sum(unpack_ids(o.token_ids).size for o in eng.outs[d]) == 6
+
+
+def test_a_prefix_is_shared_only_between_requests_with_the_same_salt(stub):
+    """Tenant isolation: the same prompt under another salt adopts nothing (0 cached
+    tokens); under the same salt it hits."""
+    eng = stub(num_pages=256)
+    warm(eng, PREFIX + [5], salt="tenant-a")
+    other = eng.submit(PREFIX + [6], 2, cache_salt="tenant-b")
+    eng.run_to_idle()
+    unsalted = eng.submit(PREFIX + [6], 2)
+    eng.run_to_idle()
+    same = eng.submit(PREFIX + [7], 2, cache_salt="tenant-a")
+    eng.run_to_idle()
+    assert cached(eng, other) == 0, "another tenant's prefix was matched"
+    assert cached(eng, unsalted) == 0, "a salted prefix was matched without the salt"
+    assert cached(eng, same) == 64, "the same tenant must hit its own prefix"
+
+
+def test_matching_changes_nothing_and_is_remembered_until_the_tree_changes(stub):
+    """Admission scores waiting requests every step: a match must not touch LRU order or
+    split nodes (a read that writes), and must not walk the tree again while neither
+    the tree nor the request changed."""
+    eng = stub(num_pages=256, max_rows=1)
+    warm(eng, PREFIX + [5])
+    cache, tree = eng.core.cache, eng.core.cache.tree
+    hog = eng.submit(list(range(600, 700)), 50)
+    eng.step()
+    rid = eng.submit(PREFIX[:30] + [1, 2, 3], 2)  # ends inside a node: a real match would split it
+    req = eng.request(rid)
+    walks = []
+    peek = tree.peek
+    tree.peek = lambda *a, **k: walks.append(1) or peek(*a, **k)
+    before = (tree._clock, tree._num_nodes, tree.version, [n.last_access for n in tree._nodes()])
+    assert cache.match(req) == 28 and cache.match(req) == 28
+    assert (tree._clock, tree._num_nodes, tree.version, [n.last_access for n in tree._nodes()]) == before
+    assert len(walks) == 1, "a remembered match walked the tree again"
+    pages = eng.pool.alloc(2)
+    tree.insert(list(range(900, 908)), pages)  # the tree changes: the memo is stale
+    eng.pool.release(pages)
+    assert cache.match(req) == 28 and len(walks) == 2
+    del tree.peek
+    eng.core.abort(hog)
+    eng.run_to_idle()
