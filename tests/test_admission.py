@@ -79,3 +79,21 @@ def test_requests_arriving_together_with_one_prefix_compute_it_once(engine):
     cached = sorted(r.cached_tokens for r in reqs)
     assert cached[0] == 0 and all(c >= 100 // 4 * 4 for c in cached[1:]), cached
     assert eng.core.totals.prompt_tokens - eng.core.totals.cached_prompt_tokens <= 102 + 3 * 4
+
+
+def test_a_warm_burst_is_admitted_in_one_step_and_answers_as_each_alone(engine):
+    """Six requests share a 64-token prefix the tree holds: one batch admits all six
+    (counted in steps: the old rule took one per step), each adopts the prefix, and
+    each answers exactly what it answers alone on a server without a prefix cache."""
+    eng = engine(num_pages=256, max_batch_tokens=128, max_rows=8)
+    shared = list(range(5, 69))
+    eng.generate(shared + [1], 2)  # publishes the prefix
+    tails = [[200 + i, 300 + i] for i in range(6)]
+    rids = [eng.submit(shared + t, 4, ignore_eos=True) for t in tails]
+    batch = eng.build()
+    assert len(batch.new_rows) == 6, f"{len(batch.new_rows)} of a warm burst of 6 admitted in one step"
+    assert all(eng.request(r).cached_tokens == 64 for r in rids)
+    eng.run_to_idle()
+    cold = engine(num_pages=256, max_batch_tokens=128, max_rows=8, radix=False)
+    for rid, tail in zip(rids, tails):
+        assert eng.outputs[rid] == cold.generate(shared + tail, 4, ignore_eos=True), rid
