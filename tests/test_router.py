@@ -167,6 +167,7 @@ class Stub:
         self.received: list[dict] = []
         self.pieces: list[bytes] = []
         self.mode = "stream"
+        self.client_gone = threading.Event()
         self.health = 200
         self.running = 0
         stub = self
@@ -201,6 +202,15 @@ class Stub:
                 self.send_header("X-Request-Id", "stub-id")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
+                if stub.mode == "endless":  # until the reader goes away
+                    try:
+                        for _ in range(3000):
+                            self.wfile.write(b"%x\r\n%s\r\n" % (len(stub.pieces[0]), stub.pieces[0]))
+                            self.wfile.flush()
+                            time.sleep(0.01)
+                    except OSError:
+                        stub.client_gone.set()
+                    return
                 for piece in stub.pieces:
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
                     self.wfile.flush()
@@ -342,6 +352,20 @@ def test_a_backend_dying_mid_stream_ends_the_stream_with_an_error_event_and_no_r
     m = r.metrics()
     assert m["ferroxmp_router_retries_total"] == 0
     assert m[f'ferroxmp_router_upstream_errors_total{{backend="{dying.url}"}}'] == 1
+
+
+def test_a_client_leaving_mid_stream_closes_the_backends_connection(stubs, router):
+    """The backend must see the disconnect (that is how a ferroxmp server aborts the request),
+    and the router must give back its in-flight count without calling it a backend failure."""
+    stub = stubs()
+    stub.mode, stub.pieces = "endless", [b"data: {\"tick\": 1}\n\n"]
+    r = router([stub.url])
+    resp = _raw_post(r.url, {"prompt": "x", "stream": True})
+    assert resp.raw.read(len(stub.pieces[0])) == stub.pieces[0]
+    resp.close()
+    assert stub.client_gone.wait(20), "the backend never saw the client leave"
+    _wait(lambda: r.metrics()[f'ferroxmp_router_backend_in_flight{{backend="{stub.url}"}}'] == 0, 10)
+    assert r.metrics()[f'ferroxmp_router_upstream_errors_total{{backend="{stub.url}"}}'] == 0
 
 
 def test_a_request_that_cannot_connect_is_retried_on_another_backend(stubs, router):

@@ -136,9 +136,9 @@ def create_app(state) -> Flask:
                 b.end()
             return Response(data, status=resp.status, headers=headers)
 
-        def on_close(ok: bool) -> None:
+        def on_close(broken: bool) -> None:
             b.end()
-            if not ok:
+            if broken:
                 state.metrics.upstream_errors.labels(b.url).inc()
 
         return Response(Relay(conn, resp, True, on_close), status=resp.status, headers=headers)

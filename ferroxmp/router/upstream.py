@@ -64,11 +64,12 @@ def error_event(message: str) -> bytes:
 
 class Relay:
     """The body of a streamed reply; `close()` (which WSGI servers always call, even when
-    iteration never started) closes the backend connection and calls `on_close(ok)` once."""
+    iteration never started) closes the backend connection and calls `on_close(broken)` once:
+    broken is True only when the backend failed, not when the client went away."""
 
     def __init__(self, conn, resp, event_stream: bool, on_close: Callable[[bool], None]):
         self.conn, self.resp, self.event_stream, self.on_close = conn, resp, event_stream, on_close
-        self.ok = False
+        self.broken = False
         self._closed = False
 
     def __iter__(self):
@@ -85,8 +86,8 @@ class Relay:
                     yield out
             if pending:
                 yield pending  # a clean end of the body: whatever came is the body
-            self.ok = True
         except (OSError, http.client.HTTPException) as e:
+            self.broken = True
             log.warning("backend stream broke: %s: %s", type(e).__name__, e)
             if self.event_stream:
                 yield error_event(f"the backend failed mid-stream ({type(e).__name__}); "
@@ -97,4 +98,4 @@ class Relay:
             return
         self._closed = True
         self.conn.close()
-        self.on_close(self.ok)
+        self.on_close(self.broken)
