@@ -38,7 +38,10 @@ class ServerArgs:
     disable_overlap: bool = _f(False, "Run one batch at a time instead of building N+1 while N computes.")
     swa_release_interval: int = _f(32, "Steps between releases of pages outside every sliding window.")
     tp: int = _f(1, "Tensor-parallel ranks (one worker process each).")
-    api_key: Optional[str] = _f(None, "Require 'Authorization: Bearer KEY' on /v1 endpoints.")
+    api_key: Optional[str] = _f(None, "Require 'Authorization: Bearer KEY' on every endpoint but /health.")
+    api_key_file: Optional[str] = _f(None, "File of API keys, one a line, optionally 'tenant:key'; each tenant's "
+                                     "requests share the prefix cache only with its own.")
+    metrics_public: bool = _f(False, "Serve /metrics without the API key (for a scraper).")
     log_level: str = _f("info", "Log level.", ["debug", "info", "warning", "error"])
     shutdown_grace: float = _f(30.0, "Seconds SIGTERM waits for running requests before stopping.")
     stall_timeout: float = _f(60.0, "Seconds a living process may stay silent (paused, stuck) before its "
@@ -74,6 +77,10 @@ class ServerArgs:
             bad("queue_timeout", f"must be positive, got {self.queue_timeout}")
         if self.stall_timeout <= 0:
             bad("stall_timeout", f"must be positive, got {self.stall_timeout}")
+        if self.api_key and self.api_key_file:
+            bad("api_key_file", "give --api-key or --api-key-file, not both")
+        if self.api_key_file is not None and not os.path.isfile(self.api_key_file):
+            bad("api_key_file", f"{self.api_key_file!r} is not a readable file")
         if self.shutdown_grace < 0:
             bad("shutdown_grace", f"must be >= 0, got {self.shutdown_grace}")
         if self.max_batch_tokens < self.max_running_requests and self.max_batch_tokens < 1:
@@ -134,9 +141,11 @@ def setup_logging(process: str, level: str = "info") -> None:
     """Every line carries the process name, so the supervisor's merged log reads."""
     import logging
     import sys
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr, force=True,
-        format=f"%(asctime)s %(levelname)s [{process}:%(process)d] %(name)s: %(message)s")
+
+    from ferroxmp.logsafe import SafeFormatter  # client strings: escaped and cut, one record a line
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(SafeFormatter(f"%(asctime)s %(levelname)s [{process}:%(process)d] %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler], force=True)
 
 
 def watch_parent(sig: int = 15):

@@ -50,6 +50,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(base + model_flags + port_flags + list(flags),
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         self.url = f"http://127.0.0.1:{self.port}"
+        self.headers = _auth_headers(list(flags))  # /server_info needs the key when one is set
         self.info: dict = {}
         try:
             self._wait_ready(ready_timeout)
@@ -64,7 +65,7 @@ class ServerProcess:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    self.info = requests.get(self.url + "/server_info", timeout=5).json()
+                    self.info = requests.get(self.url + "/server_info", headers=self.headers, timeout=5).json()
                     return
             except requests.RequestException:
                 pass
@@ -111,6 +112,16 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _auth_headers(flags: list[str]) -> dict:
+    """The Authorization header for --api-key, or the first key of --api-key-file."""
+    key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None
+    if "--api-key-file" in flags:
+        with open(flags[flags.index("--api-key-file") + 1]) as f:
+            line = next(x.strip() for x in f if x.strip() and not x.startswith("#"))
+        key = line.partition(":")[2] or line
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def stream_lines(resp: requests.Response):

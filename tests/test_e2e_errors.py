@@ -178,10 +178,13 @@ def test_a_missing_or_wrong_api_key_is_a_401(keyed, auth, path):
     still_serves(keyed, headers={"Authorization": f"Bearer {KEY}"})
 
 
-def test_health_and_metrics_need_no_api_key(keyed):
-    """Load balancers and Prometheus scrape without credentials."""
+def test_health_needs_no_api_key_and_metrics_does(keyed):
+    """Load balancers probe without credentials; /metrics (counts, queue sizes) needs the
+    key unless --metrics-public (see test_validation.py)."""
     assert requests.get(keyed.url + "/health", timeout=10).status_code == 200
-    assert requests.get(keyed.url + "/metrics", timeout=10).status_code == 200
+    assert_error(requests.get(keyed.url + "/metrics", timeout=10), 401)
+    assert requests.get(keyed.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"},
+                        timeout=10).status_code == 200
 
 
 # ---- 404, 405, 413 -----------------------------------------------------------

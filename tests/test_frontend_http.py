@@ -543,9 +543,11 @@ def test_a_client_that_disconnects_aborts_its_request(fe, api, oracle_ids, strea
 # ---- health, info, metrics ---------------------------------------------------------------
 
 def test_server_info_models_and_health(fe, api):
-    """Operators find the process ids and pool size here; the key is never echoed."""
+    """Operators find the process ids and pool size here, with the key (process ids and
+    arguments are not for anonymous callers); the key is never echoed."""
     assert requests.get(fe.url + "/health", timeout=5).json() == {"status": "ok"}
-    info = requests.get(fe.url + "/server_info", timeout=5).json()
+    assert requests.get(fe.url + "/server_info", timeout=5).status_code == 401
+    info = api.get(fe.url + "/server_info", timeout=5).json()
     assert info["processes"] == {"frontend": fe.proc.pid, "scheduler": 11, "workers": [12]}
     assert info["worker_info"]["num_pages"] == 64 and info["args"]["api_key"] == "***"
     models = api.get(fe.url + "/v1/models").json()
@@ -554,7 +556,7 @@ def test_server_info_models_and_health(fe, api):
 
 def _metrics(fe) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
-    text = requests.get(fe.url + "/metrics", timeout=5).text
+    text = requests.get(fe.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=5).text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 

@@ -67,7 +67,8 @@ CHAT_CASES = [
     ({"messages": [{"content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "user"}]}, "messages[1].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0].type"),
     ({"logprobs": 1}, "logprobs"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
@@ -98,10 +99,20 @@ def test_a_bad_generate_field_is_a_400_naming_it(body, param):
     assert e.value.status == 400 and e.value.param == param
 
 
-def test_unknown_fields_are_ignored_and_values_reach_sampling_params():
-    """OpenAI clients send fields we do not serve (best_of, ...): ignored, not refused;
-    and the values that are served arrive in SamplingParams unchanged (top_k -1 = off)."""
-    req = schemas.parse_completion({**OK_COMPLETION, "best_of": 3, "whatever": {"x": 1}, "temperature": 0,
+@pytest.mark.parametrize("change,param", [({"best_of": 3}, "best_of"), ({"whatever": {"x": 1}}, "whatever"),
+                                          ({"logit_bias": {"5": 10}}, "logit_bias")])
+def test_unknown_and_unimplemented_fields_are_refused_not_ignored(change, param):
+    """A field the server does not act on must not be accepted: the client would believe
+    it took effect (best_of=3, a logit_bias) when it did not."""
+    with pytest.raises(ApiError) as e:
+        schemas.parse_completion({**OK_COMPLETION, **change}, VOCAB)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_values_reach_sampling_params():
+    """The values that are served arrive in SamplingParams unchanged (top_k -1 = off), and
+    fields set to what asks for nothing (best_of 1, null) pass."""
+    req = schemas.parse_completion({**OK_COMPLETION, "best_of": 1, "suffix": None, "temperature": 0,
                                     "top_k": -1, "stop": "END", "seed": 5, "logprobs": 2, "n": 2}, VOCAB)
     sp = req.sampling_for(prompt_len=3, max_model_len=64)
     assert (sp.temperature, sp.top_k, sp.seed, sp.logprobs, sp.max_tokens) == (0.0, 0, 5, 2, 4)

@@ -21,9 +21,12 @@ from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from ferroxmp.frontend import schemas
+from ferroxmp.frontend.auth import Keyring, cache_salt
 from ferroxmp.frontend.errors import ApiError, bad_param
+from ferroxmp.frontend.fields import decode_body
 from ferroxmp.frontend.generation import ClientGone, Generation
 from ferroxmp.frontend.metrics import CONTENT_TYPE
+from ferroxmp.frontend.prompts import PromptEncoder
 from ferroxmp.frontend.responses import SSE_DONE, Formatter, sse
 from ferroxmp.frontend.state import FrontendState
 
@@ -49,17 +52,19 @@ def _error_response(e: ApiError) -> Response:
 def create_app(state: FrontendState) -> Flask:
     app = Flask("ferroxmp.frontend", static_folder=_STATIC_DIR, static_url_path="/static")
     app.config["MAX_CONTENT_LENGTH"] = int(state.args.get("max_body_bytes") or 8 * 1024 * 1024)
+    keyring = Keyring.from_args(state.args)
+    encoder = PromptEncoder.for_codec(state.codec, state.max_model_len)
+    # With a key, everything needs it but the probe, the chat page's own files and, when
+    # asked, the scrape target.
+    open_paths = {"/health", "/"} | ({"/metrics"} if state.args.get("metrics_public") else set())
 
     @app.before_request
     def _gate():
         g.request_id = uuid.uuid4().hex[:24]
-        key = state.args.get("api_key")
+        g.tenant = ""
         path = request.path
-        if key and (path.startswith("/v1/") or path in ("/generate", "/stats")):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
+        if keyring.enabled and path not in open_paths and not path.startswith("/static/"):
+            g.tenant = keyring.check(request.headers.get("Authorization", ""))
         if path in _GENERATE_PATHS and request.method == "POST":
             if state.bridge.dead_reason is not None:
                 raise ApiError(503, f"the server is shutting down ({state.bridge.dead_reason})",
@@ -90,11 +95,7 @@ def create_app(state: FrontendState) -> Flask:
         return _error_response(ApiError(500, "internal server error", code="internal_error"))
 
     def body_json():
-        data = request.get_data(cache=False)
-        try:
-            return msgspec.json.decode(data)
-        except msgspec.DecodeError as e:
-            raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+        return decode_body(request.get_data(cache=False))
 
     def check_model(model: Optional[str]) -> None:
         if model is not None and model not in (state.model_name, state.args.get("model")):
@@ -107,7 +108,8 @@ def create_app(state: FrontendState) -> Flask:
         gen = Generation(bridge=state.bridge, metrics=state.metrics,
                          decode=None if req.kind == "generate" else state.codec.decode,
                          request_id=g.request_id, prompts=prompts, params=params, n=req.n,
-                         stops=req.stop, is_disconnected=disconnected)
+                         stops=req.stop, is_disconnected=disconnected,
+                         cache_salt=cache_salt(g.tenant, req.cache_salt))
         state.begin()
         body: Optional[_SSEBody] = None
         try:
@@ -131,9 +133,9 @@ def create_app(state: FrontendState) -> Flask:
 
     @app.post("/v1/completions")
     def completions():
-        req = schemas.parse_completion(body_json(), state.vocab_size)
+        req = schemas.parse_completion(body_json(), state.vocab_size, state.max_model_len)
         check_model(req.model)
-        prompts = [state.codec.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
+        prompts = [encoder.encode(p, "prompt") if isinstance(p, str) else list(p) for p in req.prompts]
         fmt = Formatter("completion", g.request_id, state.model_name, state.codec,
                         top_logprobs=req.sampling.logprobs, n=req.n)
         if req.echo:
@@ -143,11 +145,11 @@ def create_app(state: FrontendState) -> Flask:
 
     @app.post("/v1/chat/completions")
     def chat_completions():
-        req = schemas.parse_chat(body_json(), state.vocab_size)
+        req = schemas.parse_chat(body_json(), state.vocab_size, state.max_model_len)
         check_model(req.model)
         try:
-            ids = state.codec.encode_chat(req.prompts[0], **req.chat_extra)
-        except jinja2.TemplateError as e:
+            ids = encoder.encode_chat(req.prompts[0], req.chat_extra)
+        except (jinja2.TemplateError, TypeError, ValueError) as e:  # the template's own errors, on client data
             raise bad_param("messages", f"the chat template refused these messages: {e}") from None
         fmt = Formatter("chat", g.request_id, state.model_name, state.codec, top_logprobs=req.sampling.logprobs,
                         n=req.n)
@@ -155,7 +157,8 @@ def create_app(state: FrontendState) -> Flask:
 
     @app.post("/generate")
     def generate():
-        req = schemas.parse_generate(body_json(), state.vocab_size)
+        req = schemas.parse_generate(body_json(), state.vocab_size, state.max_model_len)
+        check_model(req.model)
         fmt = Formatter("generate", g.request_id, state.model_name, state.codec, top_logprobs=req.sampling.logprobs)
         return run(req, [list(req.prompts[0])], fmt)
 
