@@ -602,3 +602,27 @@ def test_killing_a_backend_fails_only_its_requests_in_flight(pair, tiny_models, 
     finally:
         victim.stop()
     assert not victim.leftovers()
+
+
+def test_bench_serving_runs_against_the_router_and_the_backends_counters_add_up(pair, router, tmp_path):
+    """tools/bench_serving.py treats the router as any server; with --server-metrics-url it reads
+    the backends' own counters, whose growth must equal the usage the tool summed."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_serving.py"
+    spec = importlib.util.spec_from_file_location("bench_serving_for_router", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses resolve annotations through it
+    spec.loader.exec_module(bench)
+    r = router([s.url for s in pair], "--policy", "cache-aware")
+    out = tmp_path / "report.json"
+    argv = ["--base-url", r.url, "--workload", "multi-turn", "--num-conversations", "3", "--num-turns", "2",
+            "--input-len", "20", "--output-len", "6", "--warmup", "0", "--timeout", "60", "--out", str(out)]
+    for s in pair:
+        argv += ["--server-metrics-url", s.url]
+    assert bench.main(argv) == 0
+    summary = json.loads(out.read_text())["summaries"]["A"]
+    assert (summary["completed"], summary["failed"]) == (6, 0)
+    assert summary["server"]["ferroxmp_prompt_tokens_total"] == summary["prompt_tokens"]
+    assert summary["server"]["ferroxmp_cached_prompt_tokens_total"] == summary["cached_tokens"]
+    assert summary["server_cache_hit_rate"] == summary["cached_tokens"] / summary["prompt_tokens"]

@@ -369,6 +369,15 @@ def settled_counters(base_url: str, gap: float = 1.1, limit: float = 15.0) -> di
     return last
 
 
+def settled_sum(urls: list[str]) -> dict[str, float]:
+    """Settled counters of several servers (the backends behind a router), summed by name."""
+    out: dict[str, float] = {}
+    for url in urls:
+        for k, v in settled_counters(url).items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
 def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: after[k] - before[k] for k in after if k in before}
 
@@ -420,7 +429,8 @@ ROWS = [("completed", "completed", "{:.0f}"), ("failed", "failed", "{:.0f}"),
         ("request_throughput", "requests/s", "{:.3f}"),
         ("output_throughput", "output tokens/s", "{:.2f}"),
         ("total_throughput", "total tokens/s", "{:.2f}"),
-        ("worker_busy_share", "worker busy / wall (/metrics)", "{:.3f}")]
+        ("worker_busy_share", "worker busy / wall (/metrics)", "{:.3f}"),
+        ("server_cache_hit_rate", "cached / prompt tokens (/metrics)", "{:.3f}")]
 ROWS += [(f"cpu_s.{p}", f"CPU s, {p}", "{:.1f}") for p in ("worker", "scheduler", "frontend", "client")]
 ROWS += [(f"{m}_ms.{s}", f"{m.upper()} {s} (ms)", "{:.2f}")
          for m in ("ttft", "tpot", "itl", "e2e") for s in ("mean", "median", "p99")]
@@ -520,6 +530,9 @@ def parse_args(argv=None):
     p.add_argument("--new-prompts-per-round", action="store_true",
                    help="round k uses seed + 1000k (both servers still get the same prompts)")
     p.add_argument("--warmup", type=int, default=1, help="short requests per server before measuring")
+    p.add_argument("--server-metrics-url", action="append", default=None,
+                   help="read the /metrics counters from this server instead of --base-url (repeat, "
+                        "summed): the backends behind a router; not with --compare-url")
     p.add_argument("--no-server-metrics", dest="server_metrics", action="store_false",
                    help="do not read ferroxmp's /metrics counters before and after each round")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -531,6 +544,8 @@ def parse_args(argv=None):
     if args.workload == "multi-turn" and args.endpoint != "chat":
         print("multi-turn resends the conversation as chat messages: using --endpoint chat", file=sys.stderr)
         args.endpoint = "chat"
+    if args.server_metrics_url and args.compare_url:
+        p.error("--server-metrics-url names the servers behind --base-url only; it cannot go with --compare-url")
     return args
 
 
@@ -561,7 +576,8 @@ def main(argv=None) -> int:
         # A new seed per round keeps a prefix cache from carrying one round's prompts into the next.
         round_jobs = build_jobs(args, args.seed + 1000 * rnd) if args.new_prompts_per_round else jobs
         for target in targets:  # A, B, A, B...: drift over time hits both servers alike
-            before = settled_counters(target.base_url) if args.server_metrics else {}
+            metrics_urls = args.server_metrics_url or [target.base_url]
+            before = settled_sum(metrics_urls) if args.server_metrics else {}
             cpu_before = {**process_cpu(target.base_url), "client": time.process_time()}
             rs, duration = run_round(target, round_jobs, arrivals, args, f"round {rnd + 1} {target.name}")
             cpu_after = {**process_cpu(target.base_url), "client": time.process_time()}
@@ -570,13 +586,15 @@ def main(argv=None) -> int:
             for k, v in counter_deltas(cpu_before, cpu_after).items():
                 cpu[target.name][k] = cpu[target.name].get(k, 0.0) + v
             if before:
-                for k, v in counter_deltas(before, settled_counters(target.base_url)).items():
+                for k, v in counter_deltas(before, settled_sum(metrics_urls)).items():
                     server[target.name][k] = server[target.name].get(k, 0.0) + v
     summaries = {t.name: summarize(results[t.name], durations[t.name]) for t in targets}
     for name, counters in server.items():
         summaries[name]["server"] = counters or None
         busy = counters.get("ferroxmp_worker_busy_seconds_total")
         summaries[name]["worker_busy_share"] = busy / durations[name] if busy is not None else None
+        summaries[name]["server_cache_hit_rate"] = ratio(counters.get("ferroxmp_cached_prompt_tokens_total"),
+                                                         counters.get("ferroxmp_prompt_tokens_total"))
         summaries[name]["cpu_s"] = cpu[name]
     for t in targets:
         print(f"{t.name}: {t.base_url}  model={t.model}  dialect={t.dialect}")
