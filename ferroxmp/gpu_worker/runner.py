@@ -123,8 +123,11 @@ class ModelRunner:
                 self.rows.update(staged)
                 return BatchResult(batch_id=batch.batch_id, compute_s=time.perf_counter() - t0)
             triples = [(s.row, s.start, s.length) for s in batch.steps]
-            # Copy the rows' table entries now: the scheduler may write other entries meanwhile.
-            table = np.array(self.pool.page_table)
+            # Copy only the stepped rows' entries (a snapshot: the scheduler may write other
+            # rows meanwhile); the rest is never read (np.zeros: calloc'd, not copied).
+            stepped = sorted({s.row for s in batch.steps})
+            table = np.zeros(self.pool.page_table.shape, np.int32)
+            table[stepped] = self.pool.page_table[stepped]
             plan = self.attn.plan(triples, table)
         except (BatchError, PlanError, ProtocolError) as e:
             log.warning("batch %d refused: %s", batch.batch_id, e)
