@@ -197,6 +197,10 @@ class Stub:
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 stub.received.append({"path": self.path, "body": body, "headers": dict(self.headers)})
+                if stub.mode == "draining":  # what a ferroxmp server says after SIGTERM
+                    self._send(503, json.dumps({"error": {"message": "draining", "type": "x", "param": None,
+                                                          "code": "shutting_down"}}).encode(), "application/json")
+                    return
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("X-Request-Id", "stub-id")
@@ -383,6 +387,18 @@ def test_a_request_that_cannot_connect_is_retried_on_another_backend(stubs, rout
     assert len(alive.received) == 3
     m = r.metrics()
     assert m["ferroxmp_router_retries_total"] == 1
+    assert [b["healthy"] for b in r.health()["backends"]] == [False, True]
+
+
+def test_a_draining_backends_refusal_is_retried_elsewhere(stubs, router):
+    """A 503 "shutting_down" means the backend did nothing with the request: it goes to another."""
+    draining, alive = stubs(), stubs()
+    draining.mode, alive.pieces = "draining", [b"data: [DONE]\n\n"]
+    r = router([draining.url, alive.url], "--policy", "round-robin", "--health-interval", "3600")
+    resp = _raw_post(r.url, {"prompt": "x", "stream": True})
+    assert resp.status_code == 200 and resp.raw.read() == b"data: [DONE]\n\n"
+    assert (len(draining.received), len(alive.received)) == (1, 1)
+    assert r.metrics()["ferroxmp_router_retries_total"] == 1
     assert [b["healthy"] for b in r.health()["backends"]] == [False, True]
 
 

@@ -101,6 +101,7 @@ def create_app(state) -> Flask:
                 state.metrics.upstream_errors.labels(b.url).inc()
                 raise RouterError(502, f"backend {b.url} failed before answering: {type(e).__name__}",
                                   "backend_failed") from None
+            refusal = None
             if resp.status == 503 and resp.getheader("Content-Type", "").startswith("application/json"):
                 refusal = resp.read()
                 conn.close()
@@ -110,12 +111,11 @@ def create_app(state) -> Flask:
                     tried.append(b)
                     state.metrics.retries.inc()
                     continue
-                return b, None, resp, refusal
             b.tree.insert(ids)
             state.metrics.routed.labels(b.url).inc()
             if decision.affinity:
                 state.metrics.affinity_hits.inc()
-            return b, conn, resp, None
+            return b, (None if refusal is not None else conn), resp, refusal
 
     def proxy(method: str, path: str, body, ids: list[int], policy) -> Response:
         b, conn, resp, read = forward(method, path, body, ids, policy)
