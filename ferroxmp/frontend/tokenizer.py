@@ -1,6 +1,7 @@
-"""TextCodec: a checkpoint folder's tokenizer and chat template, without transformers.
+"""TextCodec: a checkpoint's tokenizer and chat template, without transformers.
 
-Loads `tokenizer.json` with `tokenizers`, special tokens from
+From a GGUF file, both come from its metadata (ferroxmp/checkpoint/gguf_tokenizer.py).
+From a folder: loads `tokenizer.json` with `tokenizers`, special tokens from
 `tokenizer_config.json` (or `special_tokens_map.json`), and the chat template
 from `chat_template.jinja` (which wins, as in transformers) or the config's
 `chat_template`. The template renders in jinja2's ImmutableSandboxedEnvironment
@@ -26,6 +27,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from ferroxmp.checkpoint import is_gguf
 from ferroxmp.config import read_json as _read_json
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -73,7 +75,15 @@ def _token_str(v: Any) -> Optional[str]:
 
 
 class TextCodec:
-    def __init__(self, model_dir: str):
+    def __init__(self, model_path: str):
+        if is_gguf(model_path):
+            self._init_gguf(model_path)
+        else:
+            self._init_folder(model_path)
+        self._byte_level = "ByteLevel" in json.dumps(json.loads(self.tok.to_str()).get("decoder"))
+        self._special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+
+    def _init_folder(self, model_dir: str) -> None:
         path = os.path.join(model_dir, "tokenizer.json")
         if not os.path.exists(path):
             raise FileNotFoundError(f"{model_dir} has no tokenizer.json; the frontend needs a fast tokenizer")
@@ -86,8 +96,15 @@ class TextCodec:
             if value is not None:
                 self.special_tokens[name] = value
         self.chat_template = self._load_template(model_dir, config)
-        self._byte_level = "ByteLevel" in json.dumps(json.loads(self.tok.to_str()).get("decoder"))
-        self._special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+
+    def _init_gguf(self, path: str) -> None:
+        """Tokenizer, special tokens and chat template from the file's metadata."""
+        from ferroxmp.checkpoint import gguf_tokenizer
+        from ferroxmp.checkpoint.gguf_file import open_gguf
+        g = open_gguf(path)
+        self.tok = gguf_tokenizer.build_tokenizer(g)
+        self.special_tokens = gguf_tokenizer.special_tokens(g)
+        self.chat_template = gguf_tokenizer.chat_template(g)
 
     @staticmethod
     def _load_template(model_dir: str, config: dict) -> Optional[str]:

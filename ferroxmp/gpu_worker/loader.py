@@ -1,4 +1,6 @@
-"""Read a Hugging Face checkpoint folder: config.json -> ModelConfig, safetensors -> tensors.
+"""Read a checkpoint: a Hugging Face folder (config.json -> ModelConfig, safetensors ->
+tensors) or a GGUF file (metadata -> the same config dict, dequantized tensors under the
+same names; see ferroxmp/checkpoint/).
 
 Job: turn the files on disk into plain values the model module needs, and refuse what
 ferroxmp cannot run with a message naming the problem and the alternatives.
@@ -8,15 +10,21 @@ Invariants:
   multiple of kv_heads, rope type is one we implement.
 - Weights come back with checkpoint names, on the requested device and dtype.
 - EOS ids = generation_config.json's eos_token_id (int or list) + tokenizer_config's
-  eos token (+ config.json's eos_token_id), deduplicated, in that order.
+  eos token (+ config.json's eos_token_id), deduplicated, in that order; for GGUF,
+  llama.cpp's end-of-generation set (eos, eot, eom, end-marking control tokens).
+- Loading that takes longer than a second shows a progress bar on stderr.
 """
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+from tqdm import tqdm
+
+from ..checkpoint import is_gguf
 from ..config import read_json as _read_json
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -117,10 +125,30 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _gguf_config(model_path: str) -> tuple[dict, list[int]]:
+    from ..checkpoint.gguf_config import GGUFUnsupported, hf_config
+    from ..checkpoint.gguf_file import GGUFError, open_gguf
+    from ..checkpoint.gguf_tokenizer import eog_token_ids
+    try:
+        g = open_gguf(model_path)
+        return hf_config(g), eog_token_ids(g)
+    except (GGUFUnsupported, GGUFError) as e:
+        raise UnsupportedModel(str(e)) from None
+
+
 def load_config(model_path: str, dtype: str = "auto") -> ModelConfig:
-    raw = _read_json(os.path.join(model_path, "config.json"))
-    if not raw:
-        raise UnsupportedModel(f"{model_path!r} has no config.json: not a Hugging Face checkpoint folder")
+    if is_gguf(model_path):
+        raw, eos_ids = _gguf_config(model_path)
+    else:
+        raw = _read_json(os.path.join(model_path, "config.json"))
+        if not raw:
+            raise UnsupportedModel(f"{model_path!r} has no config.json: not a Hugging Face checkpoint folder")
+        eos_ids = eos_token_ids(model_path, raw)
+    return config_from_dict(raw, eos_ids, dtype)
+
+
+def config_from_dict(raw: dict, eos_ids: list[int], dtype: str = "auto") -> ModelConfig:
+    """A config.json dict (a folder's, or one made from GGUF metadata) as a checked ModelConfig."""
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
@@ -145,7 +173,7 @@ def load_config(model_path: str, dtype: str = "auto") -> ModelConfig:
         rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qk_norm=arch == "Qwen3ForCausalLM", sliding_window=int(window) if window else None,
-        dtype=resolve_dtype(dtype, raw), eos_token_ids=eos_token_ids(model_path, raw))
+        dtype=resolve_dtype(dtype, raw), eos_token_ids=eos_ids)
     if cfg.rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModel(f"rope type {cfg.rope_type!r} is not supported; ferroxmp implements "
                                f"{', '.join(SUPPORTED_ROPE_TYPES)}")
@@ -166,20 +194,52 @@ def weight_files(model_path: str) -> list[str]:
     raise UnsupportedModel(f"{model_path!r} holds neither model.safetensors nor model.safetensors.index.json")
 
 
+def _progress(total: int, what: str) -> tqdm:
+    # delay: a load that ends within a second prints nothing
+    return tqdm(total=total, desc=what, unit="tensor", delay=1.0, mininterval=0.5, leave=False,
+                file=sys.stderr, dynamic_ncols=True)
+
+
 def load_weights(model_path: str, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    if is_gguf(model_path):
+        return _load_gguf_weights(model_path, device, dtype)
     from safetensors import safe_open
     out: dict[str, torch.Tensor] = {}
     for path in weight_files(model_path):
         with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+            names = list(f.keys())
+            with _progress(len(names), f"loading {os.path.basename(path)}") as bar:
+                for name in names:
+                    out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    bar.update()
+    return out
+
+
+def _load_gguf_weights(model_path: str, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from ..checkpoint.gguf_config import hf_config
+    from ..checkpoint.gguf_file import open_gguf
+    from ..checkpoint.gguf_weights import iter_weights, weight_names
+    g = open_gguf(model_path)
+    raw = hf_config(g)
+    heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]
+    out: dict[str, torch.Tensor] = {}
+    with _progress(len(weight_names(g)), f"dequantizing {os.path.basename(model_path)}") as bar:
+        for name, w in iter_weights(g, heads, kv_heads):
+            w = w if w.flags.writeable else w.copy()  # the file is mapped read-only
+            out[name] = torch.from_numpy(w).to(device=device, dtype=dtype)
+            bar.update()
     return out
 
 
 def weight_bytes(model_path: str, dtype: torch.dtype) -> int:
-    """Bytes the weights will take in `dtype` (from the safetensors headers, nothing loaded)."""
-    from safetensors import safe_open
+    """Bytes the weights will take in `dtype` (from the file headers, nothing loaded)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
+    if is_gguf(model_path):
+        from ..checkpoint.gguf_file import open_gguf
+        from ..checkpoint.gguf_weights import weight_names
+        g = open_gguf(model_path)
+        return sum(g.tensors[n].n_elements for n in weight_names(g)) * itemsize
+    from safetensors import safe_open
     total = 0
     for path in weight_files(model_path):
         with safe_open(path, framework="pt", device="cpu") as f:
