@@ -43,6 +43,9 @@ class ServerArgs:
     disable_overlap: bool = _f(False, "Run one batch at a time instead of building N+1 while N computes.")
     swa_release_interval: int = _f(32, "Steps between releases of pages outside every sliding window.")
     tp: int = _f(1, "Tensor-parallel ranks (one worker process each).")
+    worker_threads: int = _f(0, "Intra-op threads of each worker's forward; 0 = every core the worker may "
+                             "run on (the scheduler and frontend sleep on sockets and use 1-5%% of the "
+                             "worker's CPU time: docs/BENCHMARKS.md).")
     api_key: Optional[str] = _f(None, "Require 'Authorization: Bearer KEY' on every endpoint but /health.")
     api_key_file: Optional[str] = _f(None, "File of API keys, one a line, optionally 'tenant:key'; each tenant's "
                                      "requests share the prefix cache only with its own.")
@@ -71,6 +74,8 @@ class ServerArgs:
                 bad(name, f"must be at least 1, got {getattr(self, name)}")
         if self.page_size & (self.page_size - 1):
             bad("page_size", f"must be a power of two, got {self.page_size}")
+        if self.worker_threads < 0:
+            bad("worker_threads", f"must be 0 (every core) or a thread count, got {self.worker_threads}")
         if self.kv_pages is not None and self.kv_pages < 2:
             bad("kv_pages", f"must be at least 2, got {self.kv_pages}")
         if self.kv_cache_gb <= 0:

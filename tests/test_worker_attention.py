@@ -38,7 +38,7 @@ def run_backend(name, steps, window, seed=0, num_pages=80, pages_per_row=10, sha
     q = torch.randn(T, heads, dim, generator=g).to(dtype)
     k_new = torch.randn(T, kv_heads, dim, generator=g).to(dtype)
     v_new = torch.randn(T, kv_heads, dim, generator=g).to(dtype)
-    backend = make_backend(kv, window, CPU, name)
+    backend = make_backend(kv, window, CPU, name, num_heads=heads)
     plan = backend.plan(steps, table)
     plan.check_integrity()
     # q/k/v arrive in step order; backends take the plan's internal order.

@@ -1,11 +1,21 @@
 #!/usr/bin/env python3
-"""Benchmark the worker's ModelRunner against transformers' own forward, same shapes, same run.
+"""Benchmark the worker's ModelRunner against the floor: a minimal torch forward of the same
+model, same weights, same process, timings interleaved (runner, floor, runner, floor, ...).
 
-Measures prefill tokens/s (one row, one chunk of --prompt tokens) and the time of one
-decode step at batch 1, 16 and 64 (every row holding --prompt tokens of context), for
-ferroxmp's paged runner and for transformers (eager attention, DynamicCache).
+The floor (`MinimalForward`) is what a forward costs without serving: fused QKV and
+gate/up matmuls (the runner's own weight tensors), RoPE, SDPA over contiguous per-row K/V
+`[batch, kv_heads, max_len, head_dim]` (no pages, no masks: every row has the same
+length), greedy argmax. The runner pays on top of it: the step plan, paged K/V reads,
+masks, sampling, row bookkeeping. Interleaving makes the ratio fair on a shared box: a
+neighbour that steals a core slows both sides of a pair alike.
 
-    .venv/bin/python tools/bench_worker.py [--shape smol-135m] [--model DIR] [--out bench.json]
+Decode: the median time of one step at each batch x context (rows hold `context` tokens;
+the KV values of the context are whatever the pool holds, which does not change the
+time). Prefill: tokens/s of one row's whole prompt in one chunk. Optionally also
+transformers' own forward (eager attention, DynamicCache), not interleaved.
+
+    .venv/bin/python tools/bench_worker.py --model /tmp/smol [--batches 1,16,64]
+        [--contexts 160,512,2048] [--prefills 512,2048] [--out bench.json]
 """
 from __future__ import annotations
 
@@ -20,59 +30,150 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from ferroxmp.protocol import ForwardBatch, NewRow, RowStep, SamplingParams, pack_ids  # noqa: E402
 from ferroxmp.radix.pages import PagePool  # noqa: E402
 
+GREEDY = SamplingParams(temperature=0.0)
 
-def _timed(fn, repeat: int) -> float:
-    """Median seconds of fn() over `repeat` runs after one warm-up."""
-    fn()
-    times = []
+
+class MinimalForward:
+    """The floor: the runner's DecoderLM weights, contiguous K/V, SDPA, argmax."""
+
+    def __init__(self, model, batch: int, max_len: int):
+        cfg = model.cfg
+        self.m, self.cfg = model, cfg
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=model.dtype)
+        self.v = torch.zeros(shape, dtype=model.dtype)
+
+    def forward(self, ids: torch.Tensor, pos0: int) -> torch.Tensor:
+        """ids [B, n], every row at positions pos0..pos0+n-1 -> next token per row [B]."""
+        m, cfg = self.m, self.cfg
+        B, n = ids.shape
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_w, kv_w, half = nh * hd, nkv * hd, hd // 2
+        cos = m.cos_table[pos0:pos0 + n].to(m.dtype)[None, :, None, :]
+        sin = m.sin_table[pos0:pos0 + n].to(m.dtype)[None, :, None, :]
+
+        def rope(x):
+            return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+        h = F.embedding(ids, m.embed)
+        end = pos0 + n
+        for li, L in enumerate(m.layers):
+            x = m._rms(h, L.in_norm)
+            qkv = F.linear(x, L.w_qkv, L.b_qkv)
+            q = qkv[..., :q_w].view(B, n, nh, hd)
+            k = qkv[..., q_w:q_w + kv_w].view(B, n, nkv, hd)
+            v = qkv[..., q_w + kv_w:].view(B, n, nkv, hd)
+            if L.q_norm is not None:
+                q, k = m._rms(q, L.q_norm), m._rms(k, L.k_norm)
+            q, k = rope(q), rope(k)
+            self.k[li, :, :, pos0:end] = k.transpose(1, 2)
+            self.v[li, :, :, pos0:end] = v.transpose(1, 2)
+            K, V = self.k[li, :, :, :end], self.v[li, :, :, :end]
+            if n == 1:  # GQA as G queries per KV head: no K/V repeat
+                o = F.scaled_dot_product_attention(q.view(B, nkv, nh // nkv, hd), K, V)
+            else:
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), K, V, is_causal=pos0 == 0,
+                                                   enable_gqa=nh != nkv).transpose(1, 2)
+            h = h + F.linear(o.reshape(B, n, q_w), L.w_o, L.b_o)
+            x = m._rms(h, L.post_norm)
+            gu = F.linear(x, L.w_gate_up)
+            h = h + F.linear(F.silu(gu[..., :cfg.intermediate_size]) * gu[..., cfg.intermediate_size:], L.w_down)
+        return m.logits(h[:, -1]).argmax(-1)
+
+
+def _pair(a, b, repeat: int) -> tuple[float, float]:
+    """Median seconds of a() and of b(), run alternately after one warm-up each."""
+    a(), b()
+    ta, tb = [], []
     for _ in range(repeat):
         t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        a()
+        ta.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        b()
+        tb.append(time.perf_counter() - t)
+    return statistics.median(ta), statistics.median(tb)
 
 
-def bench_ferroxmp(path: str, prompt: int, batches: list[int], steps: int, page_size: int) -> dict:
-    from ferroxmp.gpu_worker.runner import ModelRunner
+class RunnerBench:
+    """A ModelRunner on a private pool. Row r's j-th page is j * rows + r (interleaved, as
+    pages grown one at a time by concurrent rows are), or consecutive with --consecutive."""
+
+    def __init__(self, path: str, rows: int, max_len: int, page_size: int, consecutive: bool,
+                 attention: str):
+        from ferroxmp.gpu_worker.runner import ModelRunner
+        per_row = -(-max_len // page_size)
+        self.pool = PagePool.create(num_pages=per_row * rows, max_rows=rows, max_pages_per_row=per_row)
+        kw = {} if attention == "auto" else {"attention": attention}  # "auto" also runs older runners
+        self.runner = ModelRunner(path, self.pool, page_size, device="cpu", **kw)
+        for r in range(rows):
+            pages = [r * per_row + j for j in range(per_row)] if consecutive else [j * rows + r for j in range(per_row)]
+            self.pool.set_row(r, pages, 0)
+        self.bid = 0
+
+    def run(self, new_rows, steps):
+        self.bid += 1
+        res = self.runner.execute(ForwardBatch(self.bid, new_rows, steps))
+        assert res.error is None, res.error
+        return res
+
+    def start(self, prompts: dict[int, list[int]]) -> None:
+        self.run([NewRow(r, pack_ids(p), GREEDY, 0) for r, p in prompts.items()], [])
+
+    def close(self) -> None:
+        self.pool.close()
+        self.pool.unlink()
+
+
+def bench(path: str, batches: list[int], contexts: list[int], prefills: list[int], steps: int,
+          page_size: int, consecutive: bool, attention: str) -> dict:
     max_b = max(batches)
-    per_row = -(-(prompt + steps + 8) // page_size)
-    pool = PagePool.create(num_pages=per_row * max_b, max_rows=max_b, max_pages_per_row=per_row)
+    max_len = max(contexts + prefills) + steps + 4
+    rb = RunnerBench(path, max_b, max_len, page_size, consecutive, attention)
     try:
-        runner = ModelRunner(path, pool, page_size, device="cpu")
-        for r in range(max_b):
-            pool.set_row(r, list(range(r * per_row, (r + 1) * per_row)), 0)
-        greedy = SamplingParams(temperature=0.0)
+        model, vocab = rb.runner.model, rb.runner.config.vocab_size
         g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(3, runner.config.vocab_size, (prompt,), generator=g).tolist() for _ in range(max_b)]
-        bid = iter(range(1, 1 << 30))
+        out = {}
+        with torch.inference_mode():
+            for n in prefills:
+                ids = torch.randint(3, vocab, (n,), generator=g)
+                floor = MinimalForward(model, 1, n)
 
-        def start(rows: range) -> None:
-            runner.execute(ForwardBatch(next(bid), [NewRow(r, pack_ids(prompts[r]), greedy, 0) for r in rows], []))
+                def runner_prefill():
+                    rb.start({0: ids.tolist()})
+                    rb.run([], [RowStep(0, 0, n, True)])
+                t_run, t_floor = _pair(runner_prefill, lambda: floor.forward(ids[None], 0), 3)
+                out[f"prefill{n}"] = {"runner_tok_s": n / t_run, "floor_tok_s": n / t_floor,
+                                      "ratio": t_floor / t_run}
+                print(f"prefill {n:>5}: runner {n / t_run:8.1f} tok/s, floor {n / t_floor:8.1f} tok/s, "
+                      f"runner/floor throughput {t_floor / t_run:.3f}", flush=True)
+                del floor
+            for ctx in contexts:
+                for b in batches:
+                    rb.start({r: torch.randint(3, vocab, (ctx,), generator=g).tolist() for r in range(b)})
+                    floor = MinimalForward(model, b, ctx + steps + 4)
+                    state = {"pos": ctx - 1, "next": torch.randint(3, vocab, (b, 1), generator=g)}
 
-        def prefill() -> None:
-            start(range(1))
-            res = runner.execute(ForwardBatch(next(bid), [], [RowStep(0, 0, prompt, True)]))
-            assert res.error is None, res.error
+                    def runner_step():
+                        rb.run([], [RowStep(r, len(rb.runner.rows[r].tokens) - 1, 1, True) for r in range(b)])
 
-        out = {"prefill_tok_s": prompt / _timed(prefill, 3)}
-        for b in batches:
-            start(range(b))
-            for r in range(b):  # context, untimed
-                runner.execute(ForwardBatch(next(bid), [], [RowStep(r, 0, prompt, True)]))
-
-            def decode() -> None:
-                res = runner.execute(ForwardBatch(next(bid), [], [
-                    RowStep(r, len(runner.rows[r].tokens) - 1, 1, True) for r in range(b)]))
-                assert res.error is None, res.error
-            out[f"decode_ms_b{b}"] = 1000 * _timed(decode, steps)
+                    def floor_step():
+                        state["next"] = floor.forward(state["next"], state["pos"])[:, None]
+                        state["pos"] += 1
+                    t_run, t_floor = _pair(runner_step, floor_step, steps)
+                    out[f"decode_b{b}_ctx{ctx}"] = {"runner_ms": 1000 * t_run, "floor_ms": 1000 * t_floor,
+                                                    "ratio": t_run / t_floor}
+                    print(f"decode b{b:<3} ctx {ctx:>5}: runner {1000 * t_run:8.1f} ms, floor "
+                          f"{1000 * t_floor:8.1f} ms, runner/floor time {t_run / t_floor:.3f}", flush=True)
+                    del floor
         return out
     finally:
-        pool.close()
-        pool.unlink()
+        rb.close()
 
 
 def bench_transformers(path: str, prompt: int, batches: list[int], steps: int) -> dict:
@@ -82,9 +183,19 @@ def bench_transformers(path: str, prompt: int, batches: list[int], steps: int) -
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     out = {}
+
+    def timed(fn, repeat):
+        fn()
+        ts = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+
     with torch.inference_mode():
         ids = torch.randint(3, vocab, (1, prompt), generator=g)
-        out["prefill_tok_s"] = prompt / _timed(lambda: model(ids, past_key_values=DynamicCache(), use_cache=True), 3)
+        out[f"prefill{prompt}_tok_s"] = prompt / timed(lambda: model(ids, past_key_values=DynamicCache(), use_cache=True), 3)
         for b in batches:
             ids = torch.randint(3, vocab, (b, prompt), generator=g)
             cache = DynamicCache()
@@ -94,7 +205,7 @@ def bench_transformers(path: str, prompt: int, batches: list[int], steps: int) -
             def decode() -> None:
                 lg = model(state["next"], past_key_values=cache, use_cache=True).logits[:, -1]
                 state["next"] = lg.argmax(-1, keepdim=True)
-            out[f"decode_ms_b{b}"] = 1000 * _timed(decode, steps)
+            out[f"decode_b{b}_ctx{prompt}_ms"] = 1000 * timed(decode, steps)
     return out
 
 
@@ -102,30 +213,37 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="smol-135m", help="tiny_model shape to build when --model is not given")
     p.add_argument("--model", default=None, help="checkpoint folder (default: build --shape into a temp dir)")
-    p.add_argument("--prompt", type=int, default=512, help="prompt / context tokens per row")
     p.add_argument("--batches", default="1,16,64")
-    p.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
+    p.add_argument("--contexts", default="160,512,2048", help="decode context per row")
+    p.add_argument("--prefills", default="512,2048", help="prompt lengths for prefill")
+    p.add_argument("--steps", type=int, default=8, help="timed decode steps (pairs) per point")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--consecutive", action="store_true", help="give each row consecutive pages")
+    p.add_argument("--attention", default="auto", help="runner attention backend")
     p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--transformers", action="store_true", help="also time transformers' forward at --contexts[0]")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    batches = [int(x) for x in a.batches.split(",")]
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    batches, contexts, prefills = ints(a.batches), ints(a.contexts), ints(a.prefills)
+    t0 = time.time()
+    load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         path = a.model
         if path is None:
             from ferroxmp.tiny_model import build_model
             path = build_model(a.shape, os.path.join(tmp, a.shape))
-        results = {"ferroxmp": bench_ferroxmp(path, a.prompt, batches, a.steps, a.page_size)}
-        if not a.skip_transformers:
-            results["transformers"] = bench_transformers(path, a.prompt, batches, a.steps)
-    meta = {"shape": a.shape if a.model is None else a.model, "prompt": a.prompt, "threads": a.threads,
-            "torch": torch.__version__, "dtype": "checkpoint"}
-    keys = ["prefill_tok_s"] + [f"decode_ms_b{b}" for b in batches]
-    print(f"{'metric':<18}" + "".join(f"{name:>14}" for name in results))
-    for k in keys:
-        print(f"{k:<18}" + "".join(f"{results[name][k]:>14.1f}" for name in results))
+        results = {"runner_vs_floor": bench(path, batches, contexts, prefills, a.steps, a.page_size,
+                                            a.consecutive, a.attention)}
+        if a.transformers:
+            results["transformers"] = bench_transformers(path, contexts[0], batches, a.steps)
+    cpu = os.times()
+    meta = {"model": a.model or a.shape, "threads": a.threads, "torch": torch.__version__,
+            "pages": "consecutive" if a.consecutive else "interleaved", "load_before": load0,
+            "load_after": os.getloadavg()[0], "wall_s": time.time() - t0,
+            "cores_used": (cpu.user + cpu.system) / max(1e-9, time.time() - t0)}
+    print(json.dumps(meta))
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=2)

@@ -134,9 +134,10 @@ class AttentionBackend:
     [T, KVH, D] in internal order -> [T, H, D]."""
     name = "abstract"
 
-    def __init__(self, kv, window: Optional[int]):
+    def __init__(self, kv, window: Optional[int], num_heads: Optional[int] = None):
         self.kv = kv
         self.window = window
+        self.num_heads = num_heads  # query heads (FlashInfer plans with them; others read q)
         self.step: Optional[StepPlan] = None
 
     def plan(self, steps: list[tuple[int, int, int]], page_table: np.ndarray) -> StepPlan:
@@ -175,20 +176,21 @@ def reference_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.T
     return out
 
 
-def make_backend(kv, window: Optional[int], device: torch.device, name: str = "auto") -> AttentionBackend:
+def make_backend(kv, window: Optional[int], device: torch.device, name: str = "auto",
+                 num_heads: Optional[int] = None) -> AttentionBackend:
     """auto: FlashInfer on CUDA when installed, else our Triton kernels on CUDA; torch on CPU.
     `kv` must have been created with the backend's `kv_layout`."""
     if name == "auto":
         name = "torch" if device.type != "cuda" else ("flashinfer" if _has("flashinfer") else "triton")
     if name == "torch":
         from .attn_cpu import TorchBackend
-        return TorchBackend(kv, window)
+        return TorchBackend(kv, window, num_heads)
     if name == "triton":
         from .attn_triton import TritonBackend
-        return TritonBackend(kv, window)
+        return TritonBackend(kv, window, num_heads)
     if name == "flashinfer":
         from .attn_flashinfer import FlashInferBackend
-        return FlashInferBackend(kv, window)
+        return FlashInferBackend(kv, window, num_heads)
     raise ValueError(f"unknown attention backend {name!r} (auto, torch, triton, flashinfer)")
 
 

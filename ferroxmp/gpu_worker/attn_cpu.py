@@ -52,10 +52,10 @@ class TorchBackend(AttentionBackend):
     name = "torch"
     kv_layout = "hnd"
 
-    def __init__(self, kv, window: Optional[int]):
+    def __init__(self, kv, window: Optional[int], num_heads: Optional[int] = None):
         if kv.layout != "hnd":
             raise ValueError("the torch backend needs the KV pool in the 'hnd' layout")
-        super().__init__(kv, window)
+        super().__init__(kv, window, num_heads)
         self.write_slots: Optional[torch.Tensor] = None
         self.decode: Optional[_Decode] = None
         self.chunks: list[_Chunk] = []

@@ -153,10 +153,10 @@ class TritonBackend(AttentionBackend):
     kv_layout = "nhd"
     BLOCK_M = 16
 
-    def __init__(self, kv, window: Optional[int]):
+    def __init__(self, kv, window: Optional[int], num_heads: Optional[int] = None):
         if kv.layout != "nhd":
             raise ValueError("the triton backend needs the KV pool in the 'nhd' layout")
-        super().__init__(kv, window)
+        super().__init__(kv, window, num_heads)
         self.t: dict[str, torch.Tensor] = {}
         self.max_chunk = 0
 

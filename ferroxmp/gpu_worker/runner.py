@@ -60,7 +60,8 @@ class ModelRunner:
         self.page_size = page_size
         self.kv = KVPool.for_model(self.config, pool.num_pages, page_size, self.config.dtype, self.device,
                                    layout=backend_layout(self.device, attention))
-        self.attn = make_backend(self.kv, self.config.sliding_window, self.device, attention)
+        self.attn = make_backend(self.kv, self.config.sliding_window, self.device, attention,
+                                 num_heads=self.config.num_heads)
         self.rows: dict[int, RowState] = {}
         self.failed: dict[int, str] = {}  # row -> why; its steps are skipped until a NewRow restarts it
         self.faults = None  # test-only fault injection (faults.py), set by the worker process
@@ -73,6 +74,11 @@ class ModelRunner:
         if self._logits is None:
             return torch.empty(0, self.config.vocab_size)
         return self._logits.float().cpu()
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        """Host array -> device tensor; on CUDA through pinned memory, without a sync."""
+        t = torch.from_numpy(a)
+        return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)
 
     def row_tokens(self, row: int) -> list[int]:
         return list(self.rows[row].tokens)
@@ -150,8 +156,8 @@ class ModelRunner:
         if self.faults is not None:
             self.faults.before_forward(ids)
         with torch.inference_mode():
-            positions = torch.from_numpy(plan.positions).to(self.device)
-            hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device), positions, self.attn)
+            hidden = self.model.forward(self._to_device(np.array(ids, dtype=np.int64)),
+                                        self._to_device(plan.positions), self.attn)
             sampling = [i for i, s in enumerate(batch.steps) if s.sample]
             if not sampling:
                 self._logits = None

@@ -64,7 +64,7 @@ def run_worker(args: dict, run_dir: str, pool_name: str) -> int:
     parent_alive = watch_parent(signal.SIGTERM)
     heart = Heartbeat(run_dir, "worker")
     signal.signal(signal.SIGTERM, _on_sigterm)
-    torch.set_num_threads(_cores())
+    torch.set_num_threads(sa.worker_threads or _cores())
     model_path = sa.model
     if model_path is None:
         from ..tiny_model import ensure_demo_model
