@@ -64,6 +64,23 @@ hostile = st.one_of(json_value, st.sampled_from([_deep(70), _deep(900), {"role":
                                                  {"messages": []}, {"max_tokens": 2 ** 64}, [2 ** 63] * 3]))
 
 
+NUMERIC = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed",
+           "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "best_of"]
+SHARP = [10 ** 400, -(10 ** 400), 2 ** 63, 2 ** 64, -(2 ** 63) - 1, 1e308, -1e308, 5e-324, -0.0, -1, 0, 1,
+         "1", True, None, [], {}, [1], float("nan"), float("inf")]
+
+
+@st.composite
+def targeted(draw):
+    """One numeric field of an otherwise valid body set to a sharp value: the bounds
+    themselves (a multi-field mutation is mostly refused by its first bad field)."""
+    path = draw(st.sampled_from(sorted(BASES)))
+    body = json.loads(json.dumps(BASES[path]))
+    target = body["sampling_params"] if path == "/generate" else body
+    target[draw(st.sampled_from(NUMERIC))] = draw(st.sampled_from(SHARP))
+    return path, json.dumps(body).encode()
+
+
 @st.composite
 def mutated(draw):
     path = draw(st.sampled_from(sorted(BASES)))
@@ -134,7 +151,7 @@ def test_no_body_reaches_a_5xx_and_the_canary_is_unchanged(srv):
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
-    @given(case=st.one_of(mutated(), raw_bytes))
+    @given(case=st.one_of(targeted(), mutated(), raw_bytes))
     def fuzz(case):
         _send(srv, *case)
 

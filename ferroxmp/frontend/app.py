@@ -8,7 +8,6 @@ back, however its response ends (done, error, client gone).
 """
 from __future__ import annotations
 
-import hmac
 import itertools
 import logging
 import os
