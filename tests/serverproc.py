@@ -16,7 +16,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import requests
 
@@ -38,10 +39,10 @@ def pid_alive(pid: int) -> bool:
 class ServerProcess:
     def __init__(self, model: Optional[str], *flags: str, ready_timeout: float = 180.0,
                  cmd: Optional[list[str]] = None, cwd: Optional[str] = None,
-                 port: Optional[int] = None) -> None:
+                 port: Optional[int] = None, env: Optional[dict] = None) -> None:
         self.port = port or free_port()
         self.tmp = tempfile.mkdtemp(prefix="fxmp-test-")
-        env = dict(os.environ, TMPDIR=self.tmp, FERROXMP_CACHE=os.path.join(self.tmp, "cache"))
+        env = dict(os.environ, TMPDIR=self.tmp, FERROXMP_CACHE=os.path.join(self.tmp, "cache"), **(env or {}))
         model_flags = ["--model", model] if model else []
         base = cmd or [sys.executable, "-m", "ferroxmp.cli", "serve"]
         self.log_path = os.path.join(self.tmp, "server.log")
@@ -129,3 +130,44 @@ def stream_lines(resp: requests.Response):
         if line.startswith(b"data: "):
             data = line[6:]
             yield data if data == b"[DONE]" else json.loads(data)
+
+
+@dataclass
+class StreamResult:
+    """One streamed /generate request as the client saw it."""
+    status: int
+    tokens: list
+    finish: Optional[str] = None
+    error: Optional[str] = None  # an SSE error event, a non-200 body or a connection failure
+    max_gap: float = 0.0  # longest wait between two events (the stream's worst pause)
+    done: bool = False  # [DONE] arrived
+
+
+def stream_generate(url: str, ids: list, max_tokens: int, timeout: float = 60.0,
+                    on_first: Optional[Callable[[], object]] = None, **sampling) -> StreamResult:
+    """Stream a greedy (unless told otherwise) /generate request to its end, timing the
+    gaps; `on_first` is called once the first tokens arrived (its wait is not a gap)."""
+    params = {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True, **sampling}
+    try:
+        resp = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": params,
+                                                      "stream": True}, stream=True, timeout=(10, timeout))
+        if resp.status_code != 200:
+            return StreamResult(resp.status_code, [], error=resp.text)
+        res = StreamResult(200, [])
+        last = time.monotonic()
+        for ev in stream_lines(resp):
+            now = time.monotonic()
+            res.max_gap, last = max(res.max_gap, now - last), now
+            if ev == b"[DONE]":
+                res.done = True
+            elif "error" in ev:
+                res.error = str(ev["error"])
+            else:
+                res.tokens.extend(ev["output_ids"])
+                res.finish = ev.get("finish_reason") or res.finish
+                if on_first is not None and res.tokens:
+                    on_first()
+                    on_first, last = None, time.monotonic()
+        return res
+    except requests.RequestException as e:
+        return StreamResult(0, [], error=f"{type(e).__name__}: {e}")

@@ -3,6 +3,7 @@ is SIGKILLed, and a fresh clone's `tools/serve` answers. Every case checks that
 nothing is left behind: no process, no /dev/shm segment, no run directory."""
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
@@ -109,9 +110,21 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(tiny_models):
 
 
 def test_a_sigkilled_supervisor_takes_its_children_and_shared_memory_with_it(tiny_models):
-    srv = ServerProcess(tiny_models["llama"], *FLAGS)
+    """Also: the API key is in no file of the run directory (it reaches the frontend on
+    a pipe), and the run directory is gone although the supervisor ran no cleanup."""
+    key = "sk-test-" + os.urandom(8).hex()
+    srv = ServerProcess(tiny_models["llama"], *FLAGS, "--api-key", key)
     try:
         pids = srv.pids
+        run_dirs = glob.glob(os.path.join(srv.tmp, "ferroxmp-*"))
+        assert len(run_dirs) == 1
+        for path in glob.glob(os.path.join(run_dirs[0], "*")):
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    assert key.encode() not in f.read(), f"the API key is on disk in {path}"
+        assert requests.get(srv.url + "/v1/models", timeout=10).status_code == 401
+        assert requests.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {key}"},
+                            timeout=10).status_code == 200
         srv.proc.kill()
         srv.proc.wait()
         deadline = time.time() + 10
@@ -121,6 +134,7 @@ def test_a_sigkilled_supervisor_takes_its_children_and_shared_memory_with_it(tin
         assert not any(pid_alive(p) for p in pids.values()), "a child outlived the supervisor"
         shm = [p for p in srv.leftovers() if p.startswith("/dev/shm")]
         assert shm == [], "the shared-memory pool outlived the server"
+        assert not os.path.exists(run_dirs[0]), "the run directory outlived a SIGKILLed supervisor"
     finally:
         srv.stop()
 
@@ -160,3 +174,29 @@ def test_the_readme_commands_on_a_fresh_clone_with_flags_serve_a_real_answer(tmp
     finally:
         srv.stop()
     assert not srv.leftovers()
+
+
+def test_streams_cut_at_the_end_of_the_shutdown_grace_get_an_error_event(tiny_models):
+    """SIGTERM with --shutdown-grace 2 while a long stream runs: the stream must end
+    with an SSE error event (not a bare cut, which a client cannot tell from a
+    finished answer), and the server still exits 0 with nothing left."""
+    srv = ServerProcess(tiny_models["llama"], *FLAGS, "--max-model-len", "4096", "--shutdown-grace", "2")
+    try:
+        resp = long_stream(srv.url)
+        events = stream_lines(resp)
+        next(events)
+        srv.proc.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        last = None
+        for ev in events:
+            last = ev
+            if isinstance(ev, dict) and "error" in ev:
+                break
+            assert time.time() - t0 < 15, "the stream went on past the grace period"
+        assert isinstance(last, dict) and "error" in last, f"the stream ended without an error event: {last}"
+        assert "grace" in last["error"]["message"]
+        assert srv.wait_exit(30) == 0
+        time.sleep(0.5)
+        assert srv.leftovers() == [], srv.log()
+    finally:
+        srv.stop()

@@ -227,7 +227,8 @@ class _SSEBody:
 
 
 def _events(gen: Generation, deltas, first, fmt: Formatter, include_usage: bool):
-    """SSE events, one write per event."""
+    """SSE events, one write per event. A stream that cannot finish (a process died,
+    the shutdown grace ended, a bug) ends with an error event, never silently."""
     try:
         for d in itertools.chain([first] if first is not None else [], deltas):
             if not fmt.is_empty(d):
@@ -241,3 +242,7 @@ def _events(gen: Generation, deltas, first, fmt: Formatter, include_usage: bool)
         yield SSE_DONE
     except ClientGone:
         log.info("request %s: client disconnected mid-stream; aborted", gen.request_id)
+    except Exception:
+        log.exception("request %s: stream failed", gen.request_id)
+        yield sse(ApiError(500, "internal server error", code="internal_error").body())
+        yield SSE_DONE

@@ -18,6 +18,9 @@ Connections: idle and slow clients cost memory, not service. waitress keeps ever
 connection in one poll loop; its cap (`connection_limit`, beyond which it stops
 accepting — the old 1,024 cap denied service) is set from the file-descriptor
 limit, raised to the hard limit. Threads serve only requests whose headers are in.
+waitress accepts one connection per loop turn, and a turn costs O(open
+connections), so a burst of 2,000 took 23 s to accept while everyone waited;
+`_accept_in_bursts` drains the backlog each turn instead (0.1 s).
 
 Invariant: the supervisor hears `Ready(name="frontend", info={"port"})` only
 after the HTTP socket is bound and listening.
@@ -61,6 +64,27 @@ def _connection_limit() -> int:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         soft = hard
     return max(64, min(_MAX_CONNECTIONS, soft - _FD_RESERVE))
+
+
+_ACCEPT_BURST = 512
+
+
+def _accept_in_bursts(server) -> None:
+    """Let one readable event on the listening socket accept every pending connection
+    (up to _ACCEPT_BURST), not just one."""
+    accept_one = getattr(server, "handle_accept", None)
+    conns = getattr(server, "_map", None)
+    if accept_one is None or conns is None:
+        return  # several listening sockets (MultiSocketServer): keep waitress's own
+
+    def handle_accept() -> None:
+        for _ in range(_ACCEPT_BURST):
+            before = len(conns)
+            accept_one()  # adds a channel to the map, or returns having accepted nothing
+            if len(conns) == before or not server.readable():
+                return
+
+    server.handle_accept = handle_accept
 
 
 def _send_ready(run_dir: str, port: int) -> None:
@@ -114,6 +138,7 @@ def run_frontend(args: dict, run_dir: str, worker_info: dict, pids: dict) -> int
         threads=threads, connection_limit=connections, backlog=2048,
         channel_request_lookahead=1,  # keeps reading while a request runs, so a disconnect is seen
         asyncore_use_poll=True, ident="ferroxmp", clear_untrusted_proxy_headers=True)
+    _accept_in_bursts(server)
     port = int(server.effective_port)
     threading.Thread(target=server.run, name="http", daemon=True).start()
     log.info("frontend serving %s on http://%s:%d (%d threads, up to %d connections)", state.model_name,
