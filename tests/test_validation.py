@@ -178,13 +178,21 @@ def test_json_nested_thousands_deep_is_a_400_not_a_recursion_error(srv, where):
     assert "unhandled" not in srv.log()
 
 
-def test_moderate_nesting_in_template_kwargs_is_served(srv):
-    """The depth bound (64) is far above what a real template argument holds."""
+def test_moderate_nesting_is_served(srv):
+    """The depth bound (64) is far above what a real tool call's arguments hold."""
     value: object = "leaf"
-    for _ in range(30):  # 60 levels, 62 with the body's own
+    for _ in range(28):  # 56 levels, 63 with the body's own
         value = {"k": [value]}
-    r = post(srv, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"deep": value}})
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": value}}
+    msgs = [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "user", "content": "hi"}]
+    r = post(srv, "/v1/chat/completions", {**CHAT, "messages": msgs})
     assert r.status_code == 200, r.text
+
+
+def test_a_template_kwarg_the_template_never_reads_is_a_400(srv):
+    """enable_thinking means something to Qwen3's template; this one never reads it."""
+    r = post(srv, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"enable_thinking": False}})
+    assert_error(r, 400, "chat_template_kwargs.enable_thinking", "does not use")
 
 
 @pytest.mark.parametrize("name", ["messages", "add_generation_prompt", "tools", "self", "raise_exception"])

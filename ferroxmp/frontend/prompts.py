@@ -10,6 +10,8 @@ the GIL released; both give the same ids. And a prompt of B bytes has at least
 ceil(B / (longest token in bytes x normalizer shrink)) tokens, so a text that
 long is refused without being tokenized at all.
 
+A `chat_template_kwargs` name the chat template never reads is refused, not ignored.
+
 Invariants: `encode` equals the codec's own `encode`; `min_tokens` never exceeds
 the real count (it is None where no safe bound is known: a normalizer that can
 delete text, an unknown-token model that can swallow a run of characters).
@@ -17,12 +19,14 @@ delete text, an unknown-token model that can swallow a run of characters).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import jinja2.meta
 from tokenizers import Tokenizer
 
 from ferroxmp.frontend.errors import bad_param
@@ -66,6 +70,7 @@ class PromptEncoder:
     codec: Any  # TextCodec: encode(text, add_special_tokens), render_chat, token_bytes, vocab_size
     max_model_len: int
     bytes_per_token: Optional[int] = None  # None: no safe bound; every prompt is tokenized
+    template_vars: Optional[frozenset] = None  # names the chat template reads; None: unknown
 
     @classmethod
     def for_codec(cls, codec: Any, max_model_len: int) -> "PromptEncoder":
@@ -77,6 +82,7 @@ class PromptEncoder:
             if shrink is not None and unk is not None:
                 longest = max([len(codec.token_bytes(i)) for i in range(codec.vocab_size)] + [unk, 1])
                 enc.bytes_per_token = longest * shrink
+        enc.template_vars = _template_vars(codec)
         return enc
 
     @property
@@ -109,4 +115,22 @@ class PromptEncoder:
 
     def encode_chat(self, messages: list[dict], extra: dict) -> list[int]:
         """As TextCodec.encode_chat: the template writes every special token it wants."""
+        for name in extra:
+            if self.template_vars is not None and name != "add_generation_prompt" and name not in self.template_vars:
+                raise bad_param(f"chat_template_kwargs.{name}", f"this model's chat template does not use "
+                                f"'{name:.64}'; it would be ignored")
         return self.encode(self.codec.render_chat(messages, **extra), "messages", add_special_tokens=False)
+
+
+def _template_vars(codec: Any) -> Optional[frozenset]:
+    """The variables the chat template reads from its caller (jinja2.meta), parsed with
+    the codec's own environment (its extensions and filters)."""
+    source = getattr(codec, "chat_template", None)
+    if not source:
+        return frozenset()
+    try:
+        env = codec._template.environment
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
+    except Exception:  # an unparsable template refuses every chat request anyway
+        logging.getLogger("ferroxmp.frontend").warning("chat template not analysed: any chat_template_kwargs pass")
+        return None
