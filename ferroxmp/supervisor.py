@@ -190,7 +190,7 @@ class Supervisor:
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 500)
         sock.connect(self.ep["frontend"])
-        sock.send(encode(Shutdown(f"a server process died: {why}")))
+        sock.send(encode(Shutdown(f"a server process failed: {why}")))
         sock.close()
         try:
             front.wait(3)

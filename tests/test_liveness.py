@@ -1,0 +1,79 @@
+"""The stall clock itself, without processes: a beat resets it, silence is warned
+about at 50% and 80% exactly once each, 100% is a stall, and a supervisor that was
+itself paused forgives what it missed (else its own SIGSTOP would kill the server)."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+from ferroxmp.liveness import Heartbeat, Monitor, process_state, remove_if_orphaned
+
+TIMEOUT = 0.5
+
+
+def test_silence_is_warned_at_half_and_four_fifths_then_called_a_stall(tmp_path, caplog):
+    mon = Monitor(str(tmp_path), TIMEOUT)
+    heart = Heartbeat(str(tmp_path), "scheduler")
+    mon.watch("scheduler")
+    caplog.set_level(logging.INFO, "ferroxmp.supervisor")
+    seen = []
+    deadline = time.monotonic() + 5
+    while (found := mon.stalled()) is None:
+        assert time.monotonic() < deadline, "a silent child was never called stalled"
+        seen.append(mon.silence("scheduler"))
+        time.sleep(0.01)
+    name, quiet = found
+    assert name == "scheduler" and quiet >= TIMEOUT
+    warnings = [r.getMessage() for r in caplog.records if "silent for" in r.getMessage()]
+    assert len(warnings) == 2 and "(50% of" in warnings[0] and "(80% of" in warnings[1], warnings
+    heart.beat()
+    assert mon.silence("scheduler") < 0.1 and mon.stalled() is None
+    assert any("responsive again" in r.getMessage() for r in caplog.records)
+    mon.close()
+
+
+def test_a_beating_child_is_never_stalled_and_forgive_restarts_every_clock(tmp_path):
+    mon = Monitor(str(tmp_path), TIMEOUT)
+    heart = Heartbeat(str(tmp_path), "worker")
+    mon.watch("worker")
+    mon.watch("frontend")  # never beats
+    for _ in range(20):
+        heart.beat()
+        assert mon.silence("worker") < TIMEOUT / 2
+        time.sleep(0.02)
+    assert mon.silence("frontend") >= 0.3
+    mon.forgive()
+    assert mon.silence("frontend") < 0.1, "forgive must restart the clock of a silent child"
+    mon.close()
+
+
+def test_a_heartbeat_outside_a_supervisor_beats_into_nothing(tmp_path):
+    Heartbeat(str(tmp_path), "frontend").beat()  # no liveness file: no error
+
+
+def test_process_state_tells_a_stopped_process(tmp_path):
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while process_state(pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert process_state(pid) == "T"
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert process_state(pid) == "?"
+
+
+def test_only_an_orphan_removes_the_run_directory(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    remove_if_orphaned(str(run_dir), os.getppid())  # our parent is alive: keep it
+    assert run_dir.exists()
+    remove_if_orphaned(str(run_dir), -1)  # a parent we no longer have: remove it
+    assert not run_dir.exists()
