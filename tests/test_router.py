@@ -319,7 +319,7 @@ def test_a_stream_reaches_the_client_byte_for_byte_with_its_headers(stubs, route
     stub = stubs()
     snow = "☃".encode()
     stub.pieces = [b"data: {\"a\": 1}\n", b"\ndata: {\"b\": \"" + snow[:1], snow[1:] + b"\"}\n\n",
-                   b": keep-alive\n\ndata: [DO", b"NE]\n\n"]
+                   b": keep-alive\r\n\r\ndata: [DO", b"NE]\n\n", b"\n\n", b"x"]
     r = router([stub.url])
     resp = _raw_post(r.url, {"prompt": "x", "stream": True})
     assert resp.status_code == 200

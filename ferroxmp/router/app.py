@@ -141,7 +141,7 @@ def create_app(state) -> Flask:
             if broken:
                 state.metrics.upstream_errors.labels(b.url).inc()
 
-        return Response(Relay(conn, resp, True, on_close), status=resp.status, headers=headers)
+        return Response(Relay(conn, resp, on_close), status=resp.status, headers=headers)
 
     @app.post("/v1/completions")
     @app.post("/v1/chat/completions")

@@ -6,11 +6,10 @@ written (a server acts on a request only once it has all of it). Only then is
 a retry on another backend safe; a failure after that may have started a
 generation, so it is the client's error, not a retry.
 
-`Relay` passes the backend's body through unchanged, reading small pieces as
-they arrive. An event stream is forwarded in whole events (up to a blank
-line), so that if the backend dies mid-stream the client gets every complete
-event, then one error event in OpenAI's shape and `data: [DONE]`, never half
-an event.
+`Relay` passes a backend's event stream through unchanged, reading small pieces
+as they arrive and forwarding them in whole events (up to a blank line), so
+that if the backend dies mid-stream the client gets every complete event, then
+one error event in OpenAI's shape and `data: [DONE]`, never half an event.
 """
 from __future__ import annotations
 
@@ -26,6 +25,7 @@ READ_BYTES = 16384
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
               "transfer-encoding", "upgrade", "content-length", "server", "date"}
 FORWARDED_REQUEST_HEADERS = ("Content-Type", "Authorization", "Accept")
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")  # the blank line that ends an SSE event, as the spec allows
 
 
 class NotReached(Exception):
@@ -67,8 +67,8 @@ class Relay:
     iteration never started) closes the backend connection and calls `on_close(broken)` once:
     broken is True only when the backend failed, not when the client went away."""
 
-    def __init__(self, conn, resp, event_stream: bool, on_close: Callable[[bool], None]):
-        self.conn, self.resp, self.event_stream, self.on_close = conn, resp, event_stream, on_close
+    def __init__(self, conn, resp, on_close: Callable[[bool], None]):
+        self.conn, self.resp, self.on_close = conn, resp, on_close
         self.broken = False
         self._closed = False
 
@@ -76,22 +76,17 @@ class Relay:
         pending = b""
         try:
             while piece := self.resp.read1(READ_BYTES):
-                if not self.event_stream:
-                    yield piece
-                    continue
                 pending += piece
-                cut = pending.rfind(b"\n\n") + 2
-                if cut >= 2:
-                    out, pending = pending[:cut], pending[cut:]
+                ends = [i + len(sep) for sep in _EVENT_ENDS if (i := pending.rfind(sep)) >= 0]
+                if ends:
+                    out, pending = pending[:max(ends)], pending[max(ends):]
                     yield out
             if pending:
                 yield pending  # a clean end of the body: whatever came is the body
         except (OSError, http.client.HTTPException) as e:
             self.broken = True
             log.warning("backend stream broke: %s: %s", type(e).__name__, e)
-            if self.event_stream:
-                yield error_event(f"the backend failed mid-stream ({type(e).__name__}); "
-                                  "the reply is incomplete")
+            yield error_event(f"the backend failed mid-stream ({type(e).__name__}); the reply is incomplete")
 
     def close(self) -> None:
         if self._closed:
