@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from engine import StubEngine
-from ferroxmp.protocol import unpack_ids
+from ferroxmp.protocol import Stats, TokenOut, decode, encode, unpack_ids
 from ferroxmp.scheduler.request import State
 
 PREFIX = list(range(100, 164))  # 64 tokens: 16 pages of 4
@@ -186,3 +186,18 @@ def test_matching_changes_nothing_and_is_remembered_until_the_tree_changes(stub)
     del tree.peek
     eng.core.abort(hog)
     eng.run_to_idle()
+
+
+def test_stats_are_plain_counters_that_cross_the_wire(stub):
+    """The heartbeat's Stats must encode (a numpy integer in a counter killed the
+    scheduler process) and add up: free + in use + cached only by the tree == total."""
+    eng = stub(num_pages=128)
+    warm(eng, PREFIX + [5])
+    eng.submit(PREFIX + [6, 7], 8)
+    eng.step()
+    for _ in range(3):
+        s = decode(encode(TokenOut([], eng.core.stats()))).stats
+        assert isinstance(s, Stats) and s.running == 1
+        assert s.pages_free + s.pages_in_use + s.pages_cached == s.pages_total == 128
+        assert s.pages_in_use == len(eng.request("req-1").cache.pages)
+        eng.step()

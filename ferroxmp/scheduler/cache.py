@@ -96,7 +96,7 @@ class CacheManager:
         refs = self.row_refs
         if len(pages) < _VECTOR_MIN:  # a decode row's one new page: numpy would cost more
             for p in pages:
-                self.pages_in_use += refs[p] == 0
+                self.pages_in_use += int(refs[p] == 0)
                 refs[p] += 1
             return
         idx = np.asarray(pages, np.int64)  # distinct within a row
@@ -108,7 +108,7 @@ class CacheManager:
         if len(pages) < _VECTOR_MIN:
             for p in pages:
                 refs[p] -= 1
-                self.pages_in_use -= refs[p] == 0
+                self.pages_in_use -= int(refs[p] == 0)
             return
         idx = np.asarray(pages, np.int64)
         refs[idx] -= 1

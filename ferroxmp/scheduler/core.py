@@ -289,7 +289,9 @@ class SchedulerCore:
     def stats(self) -> Stats:
         """Counters kept as they change: no walk over the tree or the pool."""
         s = Stats(**{f: getattr(self.totals, f) for f in self.totals.__struct_fields__})
-        s.running = sum(1 for r in self.live.values() if r.state != State.FINISHED)
+        # Rows holding a slot, finished ones included until their last batch reports: a
+        # heartbeat saying 0 running means no row holds a page.
+        s.running = len(self.live)
         s.waiting = len(self.waiting)
         s.pages_total = self.pool.num_pages
         s.pages_free = self.pool.free_count
