@@ -25,7 +25,9 @@ import pytest
 import requests
 import zmq
 
-from ferroxmp.protocol import BatchResult, GenerateReq, Ready, SamplingParams, TokenOut, encode, pack_ids
+from ferroxmp.gpu_worker.faults import Faults
+from ferroxmp.protocol import (BatchResult, GenerateReq, Ready, RowStep, SamplingParams, TokenOut, encode, pack_ids,
+                               unpack_ids)
 from serverproc import ServerProcess, stream_generate
 
 FLAGS = ("--page-size", "4", "--kv-pages", "1024", "--max-running-requests", "16")
@@ -34,6 +36,67 @@ POISON_SEED = 4242  # a row with this seed cannot be sampled
 HEALTHY = [[5 + i, 17, 33 + i, 2, 71] for i in range(4)]
 N_TOKENS = 120
 
+
+# ---- in process: the runner alone, driven as the scheduler would under overlap ------------
+
+RUNNER_PROMPTS = {0: [5, 17, 33, 2, 71], 1: [8, 9, 10, 11, 12, 13], 2: [40, 41, 3]}
+
+
+def sampled(res) -> dict:
+    return dict(zip(unpack_ids(res.rows).tolist(), unpack_ids(res.tokens).tolist()))
+
+
+def prefill_steps(rows):
+    return [RowStep(r, 0, len(RUNNER_PROMPTS[r]), True) for r in rows]
+
+
+def decode_steps(rows, n_before: int):
+    """Steps planned as if every row had sampled n_before tokens (what overlap assumes)."""
+    return [RowStep(r, len(RUNNER_PROMPTS[r]) + n_before - 1, 1, True) for r in rows]
+
+
+@pytest.fixture
+def solo(tiny_models, make_harness) -> dict:
+    h = make_harness(tiny_models["llama"])
+    out, _ = h.generate(RUNNER_PROMPTS, 2)
+    return out
+
+
+def test_the_runner_fails_an_unsampleable_row_alone_and_skips_it_in_batches_planned_behind(
+        tiny_models, make_harness, solo):
+    """Row 1 cannot be sampled. Its batch must still sample rows 0 and 2 (their solo
+    tokens) and report row 1 in row_errors; the next batch, planned as if row 1 had a
+    token (its step starts past its known tokens), must not be refused whole."""
+    h = make_harness(tiny_models["llama"])
+    h.runner.faults = Faults(sample_raise_seed=7)
+    news = [h.new_row(r, p, seed=7 if r == 1 else 0) for r, p in RUNNER_PROMPTS.items()]
+    first = h.run(news, prefill_steps([0, 1, 2]))
+    assert first.error is None and set(first.row_errors) == {1}
+    assert sampled(first) == {0: solo[0][0], 2: solo[2][0]}
+    second = h.run([], decode_steps([0, 1, 2], 1))
+    assert second.error is None, second.error
+    assert set(second.row_errors) == {1} and "earlier batch" in second.row_errors[1]
+    assert sampled(second) == {0: solo[0][1], 2: solo[2][1]}
+
+
+def test_a_forward_that_raises_registers_its_rows_and_the_next_batch_runs(tiny_models, make_harness, solo):
+    """The forward holding row 1's prompt raises: rows 0 and 1 fail (row_errors, no
+    batch error), yet their NewRows are registered, so the batch planned behind it —
+    their decode steps plus a new row 2 — is not refused: row 2 gets its solo token;
+    and a NewRow restarting slot 0 clears the failure."""
+    poison = next(t for t in RUNNER_PROMPTS[1] if all(t not in RUNNER_PROMPTS[r] + solo[r] for r in (0, 2)))
+    h = make_harness(tiny_models["llama"])
+    h.runner.faults = Faults(forward_raise_token=poison)
+    first = h.run([h.new_row(r, RUNNER_PROMPTS[r]) for r in (0, 1)], prefill_steps([0, 1]))
+    assert first.error is None and set(first.row_errors) == {0, 1} and sampled(first) == {}
+    second = h.run([h.new_row(2, RUNNER_PROMPTS[2])], decode_steps([0, 1], 1) + prefill_steps([2]))
+    assert second.error is None, second.error
+    assert set(second.row_errors) == {0, 1} and sampled(second) == {2: solo[2][0]}
+    third = h.run([h.new_row(0, RUNNER_PROMPTS[0])], prefill_steps([0]))
+    assert third.error is None and third.row_errors == {} and sampled(third) == {0: solo[0][0]}
+
+
+# ---- end to end -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
