@@ -29,6 +29,7 @@ from ferroxmp.scheduler.cache import CacheManager, pages_for
 from ferroxmp.scheduler.request import Request, State
 
 log = logging.getLogger("ferroxmp.scheduler")
+_PACK1 = struct.Struct("<i").pack
 
 
 @dataclass
@@ -196,12 +197,12 @@ class SchedulerCore:
         self.totals.worker_busy_seconds += res.compute_s
         if res.error:
             log.error("worker refused batch %d: %s", res.batch_id, res.error)
-        row_errors = res.row_errors
+        row_errors, logprobs = res.row_errors, res.logprobs
+        failed = res.error is not None or bool(row_errors)
         sampled = dict(zip(unpack_ids(res.rows).tolist(), unpack_ids(res.tokens).tolist()))
         for req, step in steps:
             req.inflight -= 1
-            why = res.error or row_errors.get(step.row)
-            if why is not None:
+            if failed and (why := res.error or row_errors.get(step.row)) is not None:
                 if req.state != State.FINISHED:
                     log.error("request %s failed in batch %d: %s", req.rid, res.batch_id, why)
                     req.finish("error", f"the model worker failed this request: {why}")
@@ -209,7 +210,9 @@ class SchedulerCore:
                 continue
             if req.finish_reason == "error":
                 continue  # its KV is not trusted any more: never published, never extended
-            req.computed = max(req.computed, step.start + step.length)
+            end = step.start + step.length
+            if end > req.computed:
+                req.computed = end
             if step.start < req.prefill_target and req.state != State.FINISHED and not req.retracting:
                 self.cache.publish(req)  # a finished prefill chunk is shared at once (contract 1)
             if step.sample and req.state != State.FINISHED:
@@ -218,9 +221,10 @@ class SchedulerCore:
                     req.finish("error", f"the model worker returned no token for row {step.row}")
                     self._emit(req)
                     continue
-                self._append(req, token, res.logprobs.get(step.row))
+                self._append(req, token, logprobs.get(step.row) if logprobs else None)
         for req, _ in steps:
-            self._release_if_done(req)
+            if req.inflight == 0 and (req.state is State.FINISHED or req.retracting):
+                self._release_if_done(req)
 
     def _append(self, req: Request, token: int, logprobs) -> None:
         req.output.append(token)
@@ -258,11 +262,11 @@ class SchedulerCore:
         lps = req.pending_logprobs or None
         req.reported_tokens = len(req.output)
         req.pending_logprobs = []
-        return RowOut(req.rid, token_ids=struct.pack(f"<{len(new)}i", *new), logprobs=lps,
-                      finish_reason=req.finish_reason, error=req.error,
-                      status=500 if req.finish_reason == "error" else 200,
-                      prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens,
-                      queue_time=req.queue_time)
+        ids = _PACK1(new[0]) if len(new) == 1 else struct.pack(f"<{len(new)}i", *new)
+        # Positional (RowOut's field order): this runs once per row per step.
+        return RowOut(req.rid, ids, lps, req.finish_reason, req.error,
+                      500 if req.finish_reason == "error" else 200,
+                      len(req.prompt), req.cached_tokens, req.queue_time)
 
     def take_outputs(self) -> list[RowOut]:
         outs = list(self.outbox.values())

@@ -32,7 +32,7 @@ class State(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queues are searched by object, and prompt is an array
 class Request:
     rid: str
     prompt: np.ndarray  # int32
