@@ -97,9 +97,9 @@ class Supervisor:
             [sys.executable, "-m", MODULES[name], "--run-dir", self.run_dir], stdin=subprocess.PIPE,
             start_new_session=True)  # a terminal's Ctrl-C reaches the supervisor only: it drains
         self.children[name] = proc
-        secrets_ = {"api_key": self.args.api_key} if name == "frontend" else {}
+        given = {"api_key": self.args.api_key} if name == "frontend" else {}
         try:
-            proc.stdin.write(json.dumps(secrets_).encode())
+            proc.stdin.write(json.dumps(given).encode())
             proc.stdin.close()
         except BrokenPipeError:
             pass  # it died at once; _check_children says so

@@ -18,7 +18,6 @@ import socket
 import threading
 import time
 
-import pytest
 import requests
 
 from serverproc import ServerProcess, stream_generate
