@@ -32,6 +32,13 @@ def unpack_ids(buf: bytes) -> np.ndarray:
     return np.frombuffer(buf, dtype="<i4")
 
 
+class Grammar(msgspec.Struct, array_like=True):
+    """A structured-output constraint: kind "json_object" | "json_schema" | "regex" |
+    "ebnf"; spec is the schema's JSON text, the regex or the EBNF ("" for json_object)."""
+    kind: str
+    spec: str = ""
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     max_tokens: int = 16
     temperature: float = 1.0
@@ -45,10 +52,18 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # None: no logprobs; n >= 0: the chosen token's + top-n
+    grammar: Optional[Grammar] = None  # structured output: the worker masks what it forbids
+    logit_bias: dict[int, float] = {}  # token id -> added to its raw logit (OpenAI's)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many were generated
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
+
+    @property
+    def constrained(self) -> bool:
+        """Anything that edits the logits before sampling (a grammar, a bias, min_tokens)."""
+        return self.grammar is not None or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def has_penalties(self) -> bool:

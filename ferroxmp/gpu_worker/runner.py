@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -34,6 +34,8 @@ from .loader import ModelConfig, load_config, load_weights, resolve_device
 from .models import build_model
 from .sampler import RowSample, logprobs_of, sample_rows
 
+if TYPE_CHECKING:  # xgrammar (and the transformers it imports) loads on the first constrained row
+    from .grammar import GrammarCache, RowGrammar
 log = logging.getLogger("ferroxmp.worker")
 
 
@@ -47,6 +49,7 @@ class RowState:
     prompt_len: int  # tokens known when the row was (re)started
     params: SamplingParams
     seed: int
+    grammar: Optional["RowGrammar"] = None  # its matcher, when the request asked for structured output
 
 
 class ModelRunner:
@@ -66,6 +69,16 @@ class ModelRunner:
         self.failed: dict[int, str] = {}  # row -> why; its steps are skipped until a NewRow restarts it
         self.faults = None  # test-only fault injection (faults.py), set by the worker process
         self._logits: Optional[torch.Tensor] = None  # the last step's, left on the device
+        self.model_path = model_path
+        self._grammars: Optional["GrammarCache"] = None  # built on the first constrained row
+
+    @property
+    def grammars(self) -> "GrammarCache":
+        if self._grammars is None:
+            from .grammar import GrammarCache
+            self._grammars = GrammarCache.for_checkpoint(self.model_path, self.config.vocab_size,
+                                                         self.config.eos_token_ids)
+        return self._grammars
 
     @property
     def last_logits(self) -> torch.Tensor:
@@ -96,7 +109,12 @@ class ModelRunner:
             if min(ids) < 0 or max(ids) >= self.config.vocab_size:
                 raise BatchError(f"new row {nr.row} has a token id outside the vocabulary "
                                  f"(0..{self.config.vocab_size - 1})")
-            staged[nr.row] = RowState(ids, nr.prompt_len or len(ids), nr.params, nr.seed)
+            staged[nr.row] = st = RowState(ids, nr.prompt_len or len(ids), nr.params, nr.seed)
+            if nr.params.grammar is not None:  # a fresh matcher, replaying what it generated
+                try:
+                    st.grammar = self.grammars.matcher(nr.params.grammar, ids[st.prompt_len:])
+                except ValueError as e:  # GrammarError
+                    raise BatchError(f"new row {nr.row}: {e}") from None
         return staged
 
     def _check_steps(self, steps: list[RowStep], staged: dict[int, RowState]) -> None:
@@ -167,9 +185,7 @@ class ModelRunner:
             logits = self.model.logits(hidden[index])
             rows = [batch.steps[i].row for i in sampling]
             want = [state[r] for r in rows]
-            chosen, bad = sample_rows(logits, [RowSample(st.params, st.seed, len(st.tokens),
-                                                         st.tokens if st.params.has_penalties else None,
-                                                         st.prompt_len) for st in want], self.faults)
+            chosen, bad = sample_rows(logits, self._row_samples(want), self.faults)
             lp_rows = [j for j, st in enumerate(want) if st.params.logprobs is not None and j not in bad]
             lps = logprobs_of(logits[lp_rows], chosen[lp_rows],
                               [want[j].params.logprobs for j in lp_rows]) if lp_rows else []
@@ -180,7 +196,29 @@ class ModelRunner:
         ok = [(r, tok) for j, (r, tok) in enumerate(zip(rows, chosen.tolist())) if j not in bad]
         for r, tok in ok:
             self.rows[r].tokens.append(tok)
+            if self.rows[r].grammar is not None:
+                self.rows[r].grammar.advance(tok)
         return BatchResult(batch_id=batch.batch_id, rows=pack_ids([r for r, _ in ok]),
                            tokens=pack_ids([t for _, t in ok]),
                            logprobs={rows[j]: lp for j, lp in zip(lp_rows, lps)},
                            compute_s=time.perf_counter() - t0, row_errors=row_errors)
+
+    def _row_samples(self, want: list[RowState]) -> list[RowSample]:
+        """What the sampler needs of each row: its grammar's bitmask for this step, and
+        the ids min_tokens still blocks (EOS and stop_token_ids)."""
+        gram = [j for j, st in enumerate(want) if st.grammar is not None]
+        bitmask = None
+        if gram:
+            from .grammar import allocate
+            bitmask = allocate(len(gram), self.config.vocab_size)
+        for k, j in enumerate(gram):
+            want[j].grammar.fill(bitmask, k)
+        allowed = {j: bitmask[k] for k, j in enumerate(gram)}
+        out = []
+        for j, st in enumerate(want):
+            p = st.params
+            blocked = (list(self.config.eos_token_ids) + list(p.stop_token_ids)
+                       if len(st.tokens) - st.prompt_len < p.min_tokens else ())
+            out.append(RowSample(p, st.seed, len(st.tokens), st.tokens if p.has_penalties else None,
+                                 st.prompt_len, allowed=allowed.get(j), blocked=blocked))
+        return out

@@ -67,6 +67,46 @@ class RowSample:
     position: int  # position of the token being sampled (its index in the row's tokens)
     tokens: Optional[Sequence[int]] = None  # prompt + generated; only needed with penalties
     prompt_len: int = 0
+    allowed: Optional[torch.Tensor] = None  # grammar bitmask [ceil(vocab/32)] int32 (grammar.py)
+    blocked: Sequence[int] = ()  # ids masked this step (EOS and stop ids before min_tokens)
+
+    @property
+    def constrained(self) -> bool:
+        return self.allowed is not None or bool(self.blocked) or bool(self.params.logit_bias)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [N, vocab] with -inf wherever the row's bit is 0. bitmask [N, ceil(vocab/32)]
+    int32 (xgrammar's layout: token t is bit t % 32 of word t // 32)."""
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)
+    return logits.masked_fill(~allowed[:, :logits.shape[1]], float("-inf"))
+
+
+def apply_constraints(logits: torch.Tensor, rows: Sequence[RowSample]) -> torch.Tensor:
+    """logit_bias added to the raw logits, then min_tokens' blocked ids and the grammar's
+    mask set to -inf. Only constrained rows are touched. A grammar that allows nothing
+    but EOS wins over min_tokens (blocking both would leave no candidate)."""
+    logits = logits.clone()
+    dev = logits.device
+    for i, r in enumerate(rows):
+        if not r.constrained:
+            continue
+        row = logits[i:i + 1]
+        if r.params.logit_bias:
+            ids = torch.tensor(list(r.params.logit_bias), dtype=torch.int64, device=dev)
+            row[0, ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=row.dtype, device=dev)
+        masked = row
+        if r.blocked:
+            masked = row.index_fill(1, torch.tensor(list(r.blocked), dtype=torch.int64, device=dev),
+                                    float("-inf"))
+        if r.allowed is not None:
+            masked = apply_bitmask(masked, r.allowed[None, :])
+            if r.blocked and bool(torch.isinf(masked).all()):
+                masked = apply_bitmask(row, r.allowed[None, :])
+        logits[i] = masked[0]
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[RowSample]) -> torch.Tensor:
@@ -114,6 +154,8 @@ def _filter(scaled: torch.Tensor, rows: Sequence[RowSample]) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, rows: Sequence[RowSample]) -> torch.Tensor:
     """logits [N, vocab] float32 (raw model output) -> chosen token ids [N] int64."""
+    if any(r.constrained for r in rows):  # unconstrained batches skip this entirely
+        logits = apply_constraints(logits, rows)
     if not any(r.params.has_penalties for r in rows) and all(r.params.greedy for r in rows):
         return logits.argmax(dim=-1)
     logits = apply_penalties(logits, rows)
