@@ -170,6 +170,7 @@ class Stub:
         self.client_gone = threading.Event()
         self.health = 200
         self.running = 0
+        self.delay = 0.0  # seconds before the reply's headers, as a server's first token takes
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -201,6 +202,7 @@ class Stub:
                     self._send(503, json.dumps({"error": {"message": "draining", "type": "x", "param": None,
                                                           "code": "shutting_down"}}).encode(), "application/json")
                     return
+                time.sleep(stub.delay)
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("X-Request-Id", "stub-id")
@@ -327,6 +329,25 @@ def test_a_stream_reaches_the_client_byte_for_byte_with_its_headers(stubs, route
     assert resp.headers["X-Request-Id"] == "stub-id"
     assert resp.raw.read() == b"".join(stub.pieces)
     assert len(stub.received) == 1 and json.loads(stub.received[0]["body"]) == {"prompt": "x", "stream": True}
+
+
+def test_a_prefix_follows_a_request_whose_reply_has_not_started_yet(stubs, router):
+    """Requests sharing a long prefix that arrive while the first one is still prefilling (no
+    reply headers yet) must go where it went, though that backend is now the busier one."""
+    first, other = stubs(), stubs()
+    for s in (first, other):
+        s.pieces, s.delay = [b"data: [DONE]\n\n"], 1.5
+    r = router([first.url, other.url], "--policy", "cache-aware", "--block-chars", "8")
+    system = "You are a terse assistant who answers questions about rivers and bridges. " * 4
+    with ThreadPoolExecutor(3) as pool:
+        futures = []
+        for q in ("Where?", "Why?", "How?"):
+            futures.append(pool.submit(lambda p: _raw_post(r.url, {"prompt": p, "stream": True}).raw.read(),
+                                       system + q))
+            time.sleep(0.3)
+        assert all(f.result(timeout=30) == b"data: [DONE]\n\n" for f in futures)
+    assert sorted([len(first.received), len(other.received)]) == [0, 3]
+    assert r.metrics()["ferroxmp_router_cache_affinity_hits_total"] == 2
 
 
 def test_the_api_key_is_checked_and_the_clients_authorization_forwarded(stubs, router):

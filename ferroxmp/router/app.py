@@ -87,6 +87,9 @@ def create_app(state) -> Flask:
             decision = policy.choose(candidates, ids)
             b = decision.backend
             b.begin()
+            # Recorded before sending: the reply's headers wait for the first token, and requests
+            # sharing this prefix that arrive meanwhile should follow it (a failed send clears it).
+            b.tree.insert(ids)
             try:
                 conn, resp = send(b, method, path, body, headers, state.args.upstream_timeout)
             except NotReached as e:
@@ -111,7 +114,6 @@ def create_app(state) -> Flask:
                     tried.append(b)
                     state.metrics.retries.inc()
                     continue
-            b.tree.insert(ids)
             state.metrics.routed.labels(b.url).inc()
             if decision.affinity:
                 state.metrics.affinity_hits.inc()
