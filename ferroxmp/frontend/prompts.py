@@ -94,17 +94,19 @@ class PromptEncoder:
         """A lower bound of the token count (0 when none is known)."""
         if self.bytes_per_token is None:
             return 0
-        # UTF-8 is at most 4 bytes a character: a text this short needs no encode() to pass
-        if len(text) * 4 < self.max_model_len * self.bytes_per_token:
-            return 0
         return -(-len(text.encode("utf-8")) // self.bytes_per_token)
 
     def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """The ids of `text`, or a 400 naming `param` when it cannot fit the context."""
-        least = self.min_tokens(text)
-        if least >= self.max_model_len:
-            raise bad_param(param, f"the prompt is {len(text)} characters, at least {least} tokens; this "
-                            f"model's context holds {self.max_model_len} (prompt + completion): shorten it")
+        bpt = self.bytes_per_token
+        # UTF-8 takes 1 to 4 bytes a character: most texts are decided without copying them
+        if bpt is not None and len(text) * 4 >= self.max_model_len * bpt:
+            least = -(-len(text) // bpt)
+            if least < self.max_model_len:
+                least = self.min_tokens(text)
+            if least >= self.max_model_len:
+                raise bad_param(param, f"the prompt is {len(text)} characters, at least {least} tokens; this "
+                                f"model's context holds {self.max_model_len} (prompt + completion): shorten it")
         tok = self._tok
         if tok is None:
             return self.codec.encode(text, add_special_tokens=add_special_tokens)
