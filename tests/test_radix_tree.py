@@ -231,6 +231,47 @@ def test_reset_returns_every_page_to_the_pool(pool, tree):
     pool.check_integrity()
 
 
+def test_a_salted_prefix_is_matched_only_under_its_salt_and_its_root_goes_with_it(pool, tree):
+    """Tenants: the same tokens under another salt match nothing, at no page cost (the
+    salt is a root, not a token). Salts are client-chosen, so a root left empty by
+    eviction must go too, or every salt ever seen would stay in memory."""
+    ids = list(range(100, 112))
+    pages = _row(pool, 12)
+    assert tree.insert(ids, pages, salt="tenant-a") == 0
+    assert tree.peek(ids) == 0 and tree.match_prefix(ids).length == 0
+    assert tree.peek(ids, "tenant-b") == 0
+    assert tree.peek(ids, "tenant-a") == 12 and tree.match_prefix(ids, "tenant-a").pages == pages
+    assert tree.num_pages == 3, "a salt must not cost a page"
+    pool.release(pages)
+    tree.check_integrity()
+    assert tree.evict(3) == 3
+    assert "tenant-a" not in tree.roots, "an empty salted root was left behind"
+    tree.check_integrity()
+
+
+def test_peek_is_a_pure_read_and_version_moves_only_with_pages(pool, tree):
+    """Admission scores many requests it will not admit: peek must not split a node or
+    touch LRU order. `version` lets callers remember a match; it must move when pages
+    enter or leave the tree, and only then (a split changes no match)."""
+    ids = list(range(100, 116))
+    pages = _row(pool, 16)
+    tree.insert(ids, pages)
+    v, clock, nodes = tree.version, tree._clock, tree._num_nodes
+    assert tree.peek(ids[:9]) == 8 and tree.peek([1] + ids[1:]) == 0
+    assert (tree.version, tree._clock, tree._num_nodes) == (v, clock, nodes)
+    tree.match_prefix(ids[:9])  # splits the node: same pages, same answers
+    assert tree._num_nodes == nodes + 1 and tree.version == v
+    tree.insert(ids, pages)  # nothing new
+    assert tree.version == v
+    more = _row(pool, 4)
+    tree.insert(ids + [7, 7, 7, 7], pages + more)
+    assert tree.version == v + 1
+    pool.release(pages + more)
+    tree.evict(1)
+    assert tree.version == v + 2
+    tree.check_integrity()
+
+
 def test_publishing_does_not_starve_the_page_pool(pool):
     """The seed's pool-starvation case: 8 pages, each request needs 3 and leaves 2 in
     the tree, distinct first tokens so nothing is adopted. Without eviction the 4th
