@@ -18,6 +18,7 @@ from typing import Any, Optional
 import msgspec
 
 from ferroxmp.frontend.errors import bad_param
+from ferroxmp.frontend import structured
 from ferroxmp.frontend.fields import Fields, check_names
 from ferroxmp.protocol import SamplingParams
 
@@ -38,16 +39,17 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tool
                                       "raise_exception", "strftime_now"})
 
 _SAMPLING = frozenset({"temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty",
-                       "presence_penalty", "repetition_penalty", "stop_token_ids", "ignore_eos"})
+                       "presence_penalty", "repetition_penalty", "stop_token_ids", "ignore_eos",
+                       "logit_bias", "min_tokens"})
 _OPENAI = _SAMPLING | {"model", "max_tokens", "max_completion_tokens", "n", "stop", "stream", "stream_options",
-                       "user", "cache_salt"}
+                       "user", "cache_salt", "response_format", "regex", "ebnf"}
 COMPLETION_FIELDS = _OPENAI | {"prompt", "echo", "logprobs"}
 CHAT_FIELDS = _OPENAI | {"messages", "logprobs", "top_logprobs", "chat_template_kwargs", "add_generation_prompt"}
 GENERATE_FIELDS = frozenset({"input_ids", "sampling_params", "stream", "cache_salt", "model"})
 GENERATE_SAMPLING_FIELDS = _SAMPLING | {"max_tokens", "logprobs"}
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 # Known OpenAI/vLLM fields this server does not implement yet -> the value that asks for nothing.
-NOT_YET = {"best_of": 1, "suffix": "", "logit_bias": {}, "min_tokens": 0, "response_format": {"type": "text"},
+NOT_YET = {"best_of": 1, "suffix": "",
            "tools": [], "tool_choice": "none", "parallel_tool_calls": object(), "functions": [],
            "function_call": "none", "store": False, "metadata": object(), "service_tier": object(),
            "modalities": ["text"], "audio": object(), "prediction": object(), "reasoning_effort": object(),
@@ -89,6 +91,9 @@ class ApiRequest:
         elif prompt_len + max_tokens > max_model_len:
             raise bad_param("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) "
                             f"exceeds the context of {max_model_len} tokens: lower max_tokens")
+        if self.sampling.min_tokens > max_tokens:
+            raise bad_param("min_tokens", f"min_tokens ({self.sampling.min_tokens}) exceeds max_tokens "
+                            f"({max_tokens})")
         return msgspec.structs.replace(self.sampling, max_tokens=max_tokens)
 
 
@@ -144,11 +149,17 @@ def _sampling(f: Fields, lim: Limits) -> SamplingParams:
         repetition_penalty=f.float("repetition_penalty", 1.0, lo=0.0, hi=MAX_REPETITION_PENALTY, lo_open=True),
         stop_token_ids=[] if stop_ids is None else lim.token_ids(stop_ids, f.name("stop_token_ids"), "stop"),
         ignore_eos=f.bool("ignore_eos"),
+        logit_bias=structured.logit_bias(f, lim.vocab_size),
+        min_tokens=f.int("min_tokens", 0, lo=0, hi=lim.max_tokens, hi_is="max_tokens"),
     )
 
 
 def _common(f: Fields, kind: str, prompts: list, lim: Limits) -> ApiRequest:
     sampling = _sampling(f, lim)
+    sampling.grammar = structured.grammar(f)
+    if sampling.grammar is not None and sampling.ignore_eos:
+        raise bad_param(f.name("ignore_eos"), "cannot be used with a grammar: the row must end where "
+                        "the grammar does")
     hi_is = "the context length" if lim.max_model_len else ""
     max_tokens = f.int("max_completion_tokens", None, lo=1, hi=lim.max_tokens, hi_is=hi_is)
     max_tokens = f.int("max_tokens", max_tokens, lo=1, hi=lim.max_tokens, hi_is=hi_is)
