@@ -88,6 +88,9 @@ def eog_token_ids(g: GGUFFile) -> list[int]:
 
 def build_tokenizer(g: GGUFFile) -> Tokenizer:
     kind, pre = g.get("tokenizer.ggml.model"), g.get("tokenizer.ggml.pre", "default")
+    if kind is None or not g.get("tokenizer.ggml.tokens"):
+        raise GGUFUnsupported(f"{g.path}: the file carries no tokenizer (tokenizer.ggml.model / tokens); "
+                              "ferroxmp needs the tokenizer in the GGUF metadata")
     if kind != "gpt2":
         raise GGUFUnsupported(f"{g.path}: tokenizer model {kind!r} is not supported; ferroxmp reads "
                               "byte-level BPE GGUF tokenizers (tokenizer.ggml.model = 'gpt2')")
