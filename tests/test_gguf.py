@@ -120,7 +120,7 @@ def _greedy(srv: ServerProcess, model: str) -> list:
     chat text with their token counts."""
     out = []
     for p in PROMPTS:
-        ids = TextCodec_cache(srv.info["args"]["model"]).encode(p)
+        ids = _codec(srv.info["args"]["model"]).encode(p)
         r = requests.post(srv.url + "/generate", json={"input_ids": ids, "sampling_params": {
             "max_tokens": 12, "temperature": 0, "ignore_eos": True}}, timeout=60)
         assert r.status_code == 200, r.text
@@ -140,7 +140,7 @@ def _greedy(srv: ServerProcess, model: str) -> list:
 _codecs: dict = {}
 
 
-def TextCodec_cache(path: str) -> TextCodec:
+def _codec(path: str) -> TextCodec:
     if path not in _codecs:
         _codecs[path] = TextCodec(path)
     return _codecs[path]
