@@ -199,7 +199,7 @@ def test_an_unknown_model_is_a_404_naming_the_model(limits):
 
 
 @pytest.mark.parametrize("method,path", [("GET", "/v1/nothing"), ("POST", "/v1/engines/llama/completions"),
-                                         ("GET", "/"), ("GET", "/v1/completions/../../etc/passwd")])
+                                         ("GET", "/static/nothing.js"), ("GET", "/v1/completions/../../etc/passwd")])
 def test_an_unknown_path_is_a_404(limits, method, path):
     r = requests.request(method, limits.url + path, json={}, timeout=30)
     assert_error(r, 404)
