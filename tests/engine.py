@@ -11,6 +11,7 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
+import msgspec
 import torch
 
 from ferroxmp.gpu_worker.runner import ModelRunner
@@ -38,6 +39,7 @@ class LocalEngine:
         self.refusals: dict[str, tuple[int, str]] = {}
         self.sample_logits: dict[str, list[torch.Tensor]] = {}  # rid -> logits of each sample
         self.batches: list[ForwardBatch] = []
+        self.fail_next_row = False  # the next result reports its first row as not computed
         self._n = 0
 
     def submit(self, prompt: list[int], max_tokens: int = 4, rid: Optional[str] = None,
@@ -74,14 +76,19 @@ class LocalEngine:
             return False
         batch = self.queue.popleft()
         result = self.runner.execute(batch)
+        if self.fail_next_row and result.error is None and batch.steps:
+            result = self._fail_row(result, batch.steps[0].row)
+            self.fail_next_row = False
         sampled = [s for s in batch.steps if s.sample]
         by_row = {s.row: i for i, s in enumerate(sampled)}
         for req, step in self.core.inflight.get(batch.batch_id, []):
-            if step.sample and result.error is None:
+            if step.sample and result.error is None and step.row not in result.row_errors:
                 self.sample_logits.setdefault(req.rid, []).append(
                     self.runner.last_logits[by_row[step.row]].clone())
         self.core.process_result(result, time.time())
         for out in self.core.take_outputs():
+            if out.status == 500 and out.finish_reason:
+                self.finish[out.rid] = out.finish_reason  # a row the worker could not compute
             if out.status != 200:
                 self.refusals[out.rid] = (out.status, out.error)
                 continue
@@ -90,6 +97,16 @@ class LocalEngine:
                 self.finish[out.rid] = out.finish_reason
         self.core.check_integrity()
         return True
+
+    @staticmethod
+    def _fail_row(result, row: int):
+        """The result as if the worker could not compute `row` (BatchResult.row_errors)."""
+        rows, tokens = unpack_ids(result.rows).tolist(), unpack_ids(result.tokens).tolist()
+        keep = [i for i, r in enumerate(rows) if r != row]
+        return msgspec.structs.replace(
+            result, rows=pack_ids([rows[i] for i in keep]), tokens=pack_ids([tokens[i] for i in keep]),
+            logprobs={r: lp for r, lp in result.logprobs.items() if r != row},
+            row_errors={**result.row_errors, row: "injected by the test"})
 
     def run_until(self, done: Callable[[], bool], max_steps: int = 10_000) -> None:
         for _ in range(max_steps):

@@ -1,5 +1,6 @@
-"""Random admit / chunk / finish / abort / evict sequences through the REAL scheduler
-core and model runner, with the page-accounting invariant checked after every step.
+"""Random admit / chunk / finish / abort / evict / row-failure sequences, under two
+tenants' salts, through the REAL scheduler core (and its cache manager) and model
+runner, with the page-accounting invariant checked after every step.
 
 Hypothesis drives the interleaving (overlap on, so aborts land on rows with a
 batch in flight); `LocalEngine.step` runs `check_integrity` after each batch: every
@@ -34,9 +35,13 @@ def test_random_lifecycles_keep_every_page_accounted_for(model):
             self.rids: list[str] = []
 
         @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(5, 900), min_size=1, max_size=12),
-              max_tokens=st.integers(1, 8))
-        def submit(self, prefix, tail, max_tokens):
-            self.rids.append(self.eng.submit(prefix + tail, max_tokens))
+              max_tokens=st.integers(1, 8), salt=st.sampled_from(["", "tenant-b"]))
+        def submit(self, prefix, tail, max_tokens, salt):
+            self.rids.append(self.eng.submit(prefix + tail, max_tokens, cache_salt=salt))
+
+        @rule()
+        def a_row_fails_in_the_worker(self):
+            self.eng.fail_next_row = True  # its request ends with an error; the rest go on
 
         @precondition(lambda self: self.rids)
         @rule(i=st.integers(0, 1000), twice=st.booleans())
