@@ -171,3 +171,22 @@ def stream_generate(url: str, ids: list, max_tokens: int, timeout: float = 60.0,
         return res
     except requests.RequestException as e:
         return StreamResult(0, [], error=f"{type(e).__name__}: {e}")
+
+
+def metric(url: str, name: str, headers: Optional[dict] = None) -> float:
+    for line in requests.get(url + "/metrics", headers=headers, timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def pages_leaked(url: str, timeout: float = 30.0, headers: Optional[dict] = None) -> int:
+    """Once idle: every page held by no row and no tree entry must be free; any other is
+    a leak (the radix contract's accounting, read from the scheduler's own Stats)."""
+    deadline = time.time() + timeout
+    while metric(url, "ferroxmp_requests_running", headers) or metric(url, "ferroxmp_requests_waiting", headers):
+        assert time.time() < deadline, "the server never went idle"
+        time.sleep(0.3)
+    time.sleep(1.2)  # a fresh Stats heartbeat
+    total, free = metric(url, "ferroxmp_kv_pages_total", headers), metric(url, "ferroxmp_kv_pages_free", headers)
+    return int(total - free - metric(url, "ferroxmp_kv_pages_cached", headers))

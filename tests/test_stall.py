@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from serverproc import ServerProcess, StreamResult, stream_generate
+from serverproc import ServerProcess, StreamResult, pages_leaked, stream_generate
 
 FLAGS = ("--page-size", "4", "--kv-pages", "2048", "--max-running-requests", "16", "--max-model-len", "4096")
 N_REQUESTS = int(os.environ.get("FERROXMP_STALL_REQUESTS", "4"))
@@ -94,6 +94,9 @@ def test_a_five_second_pause_of_any_process_costs_latency_but_no_request_or_toke
     assert all(r.max_gap >= PAUSE_S - 1 for r in results), [r.max_gap for r in results]
     assert [r.tokens for r in results] == unpaused, "a pause changed an answer"
     assert server.proc.poll() is None, "the server stopped over a pause shorter than --stall-timeout"
+    leaked = pages_leaked(server.url)
+    print(f"STALL {victim}: pages leaked {leaked}")
+    assert leaked == 0
 
 
 HANG_TOKEN = 77

@@ -22,13 +22,12 @@ import threading
 import time
 
 import pytest
-import requests
 import zmq
 
 from ferroxmp.gpu_worker.faults import Faults
 from ferroxmp.protocol import (BatchResult, GenerateReq, Ready, RowStep, SamplingParams, TokenOut, encode, pack_ids,
                                unpack_ids)
-from serverproc import ServerProcess, stream_generate
+from serverproc import ServerProcess, pages_leaked, stream_generate
 
 FLAGS = ("--page-size", "4", "--kv-pages", "1024", "--max-running-requests", "16")
 POISON_TOKEN = 99  # a forward holding it raises
@@ -118,24 +117,6 @@ def reference(server) -> list[list[int]]:
         assert r.error is None and len(r.tokens) == N_TOKENS, r
         out.append(r.tokens)
     return out
-
-
-def metric(url: str, name: str) -> float:
-    for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"no metric {name}")
-
-
-def pages_leaked(url: str, timeout: float = 30.0) -> int:
-    """Once idle: pages held by no row and no tree entry are free; any other is a leak."""
-    deadline = time.time() + timeout
-    while metric(url, "ferroxmp_requests_running") or metric(url, "ferroxmp_requests_waiting"):
-        assert time.time() < deadline, "the server never went idle"
-        time.sleep(0.3)
-    time.sleep(1.2)  # a fresh Stats heartbeat
-    total, free = metric(url, "ferroxmp_kv_pages_total"), metric(url, "ferroxmp_kv_pages_free")
-    return int(total - free - metric(url, "ferroxmp_kv_pages_cached"))
 
 
 def run_healthy_with(url: str, poison) -> tuple[list, object]:

@@ -55,7 +55,6 @@ class Bridge:
         self.liveness = liveness
         self.routes: dict[str, queue.SimpleQueue] = {}
         self.last_heartbeat: Optional[float] = None  # monotonic
-        self.started = time.monotonic()
         self.dead_reason: Optional[str] = None
         self._routes_lock = threading.Lock()
         self._send_lock = threading.Lock()
