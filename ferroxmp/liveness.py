@@ -96,8 +96,8 @@ class Monitor:
                 return name, quiet
             reached = max((w for w in WARN_AT if frac >= w), default=0.0)
             if reached > self.warned.get(name, 0.0):
-                log.warning("%s has been silent for %.1fs (%.0f%% of --stall-timeout %.0fs); it is "
-                            "stopped at 100%%", name, quiet, 100 * reached, self.timeout)
+                log.warning("%s has been silent for %.1fs (%.0f%% of --stall-timeout %.0fs); at 100%% "
+                            "its stacks are dumped and the server stops", name, quiet, 100 * reached, self.timeout)
             elif reached == 0.0 and self.warned.get(name, 0.0) > 0.0:
                 log.info("%s is responsive again", name)
             self.warned[name] = reached
