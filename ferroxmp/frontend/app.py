@@ -19,7 +19,7 @@ import msgspec
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from ferroxmp.frontend import schemas
+from ferroxmp.frontend import schemas, tokenize_api
 from ferroxmp.frontend.auth import Keyring, cache_salt
 from ferroxmp.frontend.errors import ApiError, bad_param
 from ferroxmp.frontend.fields import decode_body
@@ -160,6 +160,18 @@ def create_app(state: FrontendState) -> Flask:
         check_model(req.model)
         fmt = Formatter("generate", g.request_id, state.model_name, state.codec, top_logprobs=req.sampling.logprobs)
         return run(req, [list(req.prompts[0])], fmt)
+
+    @app.post("/tokenize")
+    def tokenize():
+        out, model = tokenize_api.tokenize(body_json(), encoder, state.vocab_size, state.max_model_len)
+        check_model(model)
+        return _json_response(out)
+
+    @app.post("/detokenize")
+    def detokenize():
+        out, model = tokenize_api.detokenize(body_json(), state.codec, state.vocab_size)
+        check_model(model)
+        return _json_response(out)
 
     @app.get("/v1/models")
     def models():
