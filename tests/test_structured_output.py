@@ -153,3 +153,28 @@ def test_the_openai_sdk_parse_helper_returns_a_parsed_object(srv):
     parsed = out.choices[0].message.parsed
     assert out.choices[0].finish_reason == "stop"
     assert isinstance(parsed, City)
+
+
+def test_constrained_rows_survive_retraction_unchanged(tiny_models):
+    """A pool far too small for 12 concurrent rows forces retractions: a retracted row
+    comes back as prompt + generated and its matcher is rebuilt by replaying them. Its
+    output must equal its solo run (the draw is a function of seed and position) and
+    still validate and stop."""
+    s = ServerProcess(tiny_models["llama"], "--page-size", "4", "--kv-pages", "48", "--max-running-requests", "12")
+    try:
+        body = {"model": "llama", "prompt": "x", "max_tokens": 180, "temperature": 1.0, "response_format": RF}
+        solo = [post(s, "/v1/completions", {**body, "seed": i}).json()["choices"][0]["text"] for i in range(3)]
+        with ThreadPoolExecutor(12) as ex:
+            outs = list(ex.map(lambda i: post(s, "/v1/completions", {**body, "seed": i}), range(12)))
+        for i, r in enumerate(outs):
+            assert r.status_code == 200, r.text
+            ch = r.json()["choices"][0]
+            assert ch["finish_reason"] == "stop", ch
+            jsonschema.validate(json.loads(ch["text"]), SCHEMA)
+            if i < 3:
+                assert ch["text"] == solo[i], f"request {i} changed by retraction"
+        stats = requests.get(s.url + "/stats", headers=s.headers, timeout=30).json()
+        assert stats["retractions"] > 0, "the pool was never exhausted: this test proved nothing"
+    finally:
+        s.stop()
+    assert not s.leftovers()
