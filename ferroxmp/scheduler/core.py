@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import random
-import struct
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -25,35 +24,12 @@ from ferroxmp.protocol import (BatchResult, ForwardBatch, GenerateReq, NewRow, R
                                RowStep, Stats, unpack_ids)
 from ferroxmp.radix.pages import PagePool
 from ferroxmp.scheduler.batch import plan_batch
-from ferroxmp.scheduler.cache import CacheManager, pages_for
+from ferroxmp.scheduler.cache import CacheManager
+from ferroxmp.scheduler.outputs import Outbox
 from ferroxmp.scheduler.request import Request, State
+from ferroxmp.scheduler.settings import SchedulerConfig  # noqa: F401 (imported from here too)
 
 log = logging.getLogger("ferroxmp.scheduler")
-_PACK1 = struct.Struct("<i").pack
-
-
-@dataclass
-class SchedulerConfig:
-    page_size: int
-    max_batch_tokens: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...] = ()
-    queue_timeout: float = 600.0
-    radix: bool = True
-    sliding_window: Optional[int] = None
-    swa_release_interval: int = 32
-    aging_s: float = 5.0
-    seed: int = 0
-
-    @classmethod
-    def from_launch(cls, args: dict, worker_info: dict) -> "SchedulerConfig":
-        return cls(page_size=worker_info["page_size"], max_batch_tokens=args["max_batch_tokens"],
-                   max_model_len=worker_info["max_model_len"], vocab_size=worker_info["vocab_size"],
-                   eos_token_ids=tuple(worker_info.get("eos_token_ids") or ()),
-                   queue_timeout=args["queue_timeout"], radix=not args["disable_radix_cache"],
-                   sliding_window=worker_info.get("sliding_window"),
-                   swa_release_interval=args["swa_release_interval"], seed=args.get("seed", 0))
 
 
 @dataclass
@@ -65,8 +41,7 @@ class SchedulerCore:
     live: dict[int, Request] = field(default_factory=dict)  # row -> request holding it
     requests: dict[str, Request] = field(default_factory=dict)  # waiting, live, or releasing
     inflight: dict[int, list[tuple[Request, RowStep]]] = field(default_factory=dict)
-    outbox: dict[str, RowOut] = field(default_factory=dict)  # refusals and expiries
-    news: dict[str, Request] = field(default_factory=dict)  # requests with output to report
+    outbox: Outbox = field(default_factory=Outbox)
     totals: Stats = field(default_factory=Stats)
     next_batch_id: int = 0
 
@@ -77,20 +52,9 @@ class SchedulerCore:
     # -- requests in ---------------------------------------------------------------
 
     def refusal(self, req: GenerateReq, n: int) -> Optional[str]:
-        p, limit = req.params, self.cfg.max_model_len
         if req.rid in self.requests:
             return f"request id {req.rid!r} is already running"
-        if n == 0:
-            return "the prompt is empty: send at least one token"
-        if p.max_tokens < 1:
-            return f"max_tokens must be at least 1, got {p.max_tokens}"
-        if n + p.max_tokens > limit:
-            return (f"this model's maximum context length is {limit} tokens; the prompt has {n} "
-                    f"and max_tokens asks for {p.max_tokens} more: shorten the prompt or lower max_tokens")
-        if pages_for(n + p.max_tokens, self.cfg.page_size) > self.pool.num_pages:
-            return (f"prompt ({n}) + max_tokens ({p.max_tokens}) needs more KV pages than the whole "
-                    f"pool holds ({self.pool.num_pages} x {self.cfg.page_size} tokens)")
-        return None
+        return self.cfg.refusal(req.params, n, self.pool.num_pages)
 
     def add_request(self, msg: GenerateReq, now: float) -> Optional[RowOut]:
         """Queue a request, or return its refusal (400: it can never fit)."""
@@ -129,10 +93,10 @@ class SchedulerCore:
                     and now - r.arrival > self.cfg.queue_timeout]:
             self.waiting.remove(req)
             del self.requests[req.rid]
-            self.outbox[req.rid] = RowOut(
+            self.outbox.refuse(RowOut(
                 req.rid, finish_reason="error", status=503, prompt_tokens=len(req.prompt),
                 error=f"the request waited {now - req.arrival:.1f}s for a free row or KV pages without being "
-                      f"admitted (--queue-timeout {self.cfg.queue_timeout:g}s): retry later")
+                      f"admitted (--queue-timeout {self.cfg.queue_timeout:g}s): retry later"))
 
     # -- batches out ---------------------------------------------------------------
 
@@ -252,31 +216,10 @@ class SchedulerCore:
             self.waiting.append(req)
 
     def _emit(self, req: Request) -> None:
-        """Note that `req` has news; the RowOut is built once per loop turn."""
-        self.news[req.rid] = req
-
-    def _row_out(self, req: Request) -> Optional[RowOut]:
-        new = req.output[req.reported_tokens:]
-        if not new and req.state != State.FINISHED:
-            return None
-        lps = req.pending_logprobs or None
-        req.reported_tokens = len(req.output)
-        req.pending_logprobs = []
-        ids = _PACK1(new[0]) if len(new) == 1 else struct.pack(f"<{len(new)}i", *new)
-        # Positional (RowOut's field order): this runs once per row per step.
-        return RowOut(req.rid, ids, lps, req.finish_reason, req.error,
-                      500 if req.finish_reason == "error" else 200,
-                      len(req.prompt), req.cached_tokens, req.queue_time)
+        self.outbox.note(req)
 
     def take_outputs(self) -> list[RowOut]:
-        outs = list(self.outbox.values())
-        self.outbox.clear()
-        for req in self.news.values():
-            out = self._row_out(req)
-            if out is not None:
-                outs.append(out)
-        self.news.clear()
-        return outs
+        return self.outbox.take()
 
     # -- state ---------------------------------------------------------------------
 

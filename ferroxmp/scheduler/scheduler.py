@@ -108,7 +108,7 @@ def _drain_frontend(sock: zmq.Socket, core: SchedulerCore, now: float) -> bool:
                 log.exception("request %s refused: %s", msg.rid, e)
                 refusal = RowOut(msg.rid, finish_reason="error", status=400, error=f"malformed request: {e}")
             if refusal is not None:
-                core.outbox[msg.rid] = refusal
+                core.outbox.refuse(refusal)
         elif isinstance(msg, AbortReq):
             core.abort(msg.rid, msg.finish_reason)
         elif isinstance(msg, Shutdown):

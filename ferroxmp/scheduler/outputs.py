@@ -1,0 +1,53 @@
+"""Outbox: what the scheduler tells the frontend at the end of a loop turn.
+
+Refusals and expiries are final `RowOut`s as they are made. A request with news
+(new tokens, or its end) is only noted; its `RowOut` is built once per turn in
+`take`, with every token it sampled since the last one sent — not rebuilt for each
+token. A request that ended with an error says status 500 (the worker could not
+compute it); refusals carry their own 400/503.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+from ferroxmp.protocol import RowOut
+from ferroxmp.scheduler.request import Request, State
+
+_PACK1 = struct.Struct("<i").pack
+
+
+@dataclass
+class Outbox:
+    finals: dict[str, RowOut] = field(default_factory=dict)  # refusals and expiries
+    news: dict[str, Request] = field(default_factory=dict)  # requests with something to report
+
+    def refuse(self, out: RowOut) -> None:
+        self.finals[out.rid] = out
+
+    def note(self, req: Request) -> None:
+        self.news[req.rid] = req
+
+    def take(self) -> list[RowOut]:
+        outs = list(self.finals.values())
+        self.finals.clear()
+        for req in self.news.values():
+            out = _row_out(req)
+            if out is not None:
+                outs.append(out)
+        self.news.clear()
+        return outs
+
+
+def _row_out(req: Request):
+    new = req.output[req.reported_tokens:]
+    if not new and req.state != State.FINISHED:
+        return None
+    lps = req.pending_logprobs or None
+    req.reported_tokens = len(req.output)
+    req.pending_logprobs = []
+    ids = _PACK1(new[0]) if len(new) == 1 else struct.pack(f"<{len(new)}i", *new)
+    # Positional (RowOut's field order): this runs once per row per step.
+    return RowOut(req.rid, ids, lps, req.finish_reason, req.error,
+                  500 if req.finish_reason == "error" else 200,
+                  len(req.prompt), req.cached_tokens, req.queue_time)

@@ -1,0 +1,48 @@
+"""SchedulerConfig: the scheduler's knobs (from `launch.json`) and the refusals they
+imply — a request that can never fit is refused at once, never queued."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ferroxmp.protocol import SamplingParams
+from ferroxmp.scheduler.cache import pages_for
+
+
+@dataclass
+class SchedulerConfig:
+    page_size: int
+    max_batch_tokens: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()
+    queue_timeout: float = 600.0
+    radix: bool = True
+    sliding_window: Optional[int] = None
+    swa_release_interval: int = 32
+    aging_s: float = 5.0
+    seed: int = 0
+
+    @classmethod
+    def from_launch(cls, args: dict, worker_info: dict) -> "SchedulerConfig":
+        return cls(page_size=worker_info["page_size"], max_batch_tokens=args["max_batch_tokens"],
+                   max_model_len=worker_info["max_model_len"], vocab_size=worker_info["vocab_size"],
+                   eos_token_ids=tuple(worker_info.get("eos_token_ids") or ()),
+                   queue_timeout=args["queue_timeout"], radix=not args["disable_radix_cache"],
+                   sliding_window=worker_info.get("sliding_window"),
+                   swa_release_interval=args["swa_release_interval"], seed=args.get("seed", 0))
+
+    def refusal(self, p: SamplingParams, n: int, num_pages: int) -> Optional[str]:
+        """Why a request of n prompt tokens can never run here (400), or None."""
+        limit = self.max_model_len
+        if n == 0:
+            return "the prompt is empty: send at least one token"
+        if p.max_tokens < 1:
+            return f"max_tokens must be at least 1, got {p.max_tokens}"
+        if n + p.max_tokens > limit:
+            return (f"this model's maximum context length is {limit} tokens; the prompt has {n} "
+                    f"and max_tokens asks for {p.max_tokens} more: shorten the prompt or lower max_tokens")
+        if pages_for(n + p.max_tokens, self.page_size) > num_pages:
+            return (f"prompt ({n}) + max_tokens ({p.max_tokens}) needs more KV pages than the whole "
+                    f"pool holds ({num_pages} x {self.page_size} tokens)")
+        return None
