@@ -150,3 +150,26 @@ def test_a_row_restarted_after_retraction_replays_its_tokens_into_a_fresh_matche
         n = len(tokens) + len(rest)
         rest += unpack_ids(h2.run([], [RowStep(2, n - 1, 1, True)]).tokens).tolist()
     assert first + rest == whole
+
+
+def test_a_complete_grammar_ends_the_row_even_before_min_tokens(tiny_model, make_harness):
+    """Once the regex is matched only EOS may follow; min_tokens=50 would block it and
+    leave no candidate at all. The grammar wins: the row ends at once with EOS."""
+    h = make_harness(tiny_model)
+    codec = TextCodec(tiny_model)
+    toks, finished, _ = decode_row(h, 0, SamplingParams(temperature=1.0, min_tokens=50,
+                                                        grammar=Grammar("regex", "ok")), seed=2)
+    assert finished and text_of(codec, toks, h.runner.config.eos_token_ids) == "ok", toks
+
+
+def test_min_tokens_yields_to_a_grammar_that_allows_only_eos():
+    """Blocking EOS where the grammar allows nothing else would leave every logit -inf
+    (argmax then says token 0, a token neither allowed): the grammar's EOS must win."""
+    from ferroxmp.gpu_worker.grammar import _pack_bits
+    from ferroxmp.gpu_worker.sampler import RowSample, sample
+    only = torch.zeros(40, dtype=torch.bool)
+    only[7] = True
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(0))
+    rows = [RowSample(SamplingParams(temperature=t, min_tokens=5), 1, 3, allowed=_pack_bits(only),
+                      blocked=(7, 0)) for t in (0.0, 1.0)]
+    assert sample(logits, rows).tolist() == [7, 7]

@@ -85,27 +85,25 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 
 
 def apply_constraints(logits: torch.Tensor, rows: Sequence[RowSample]) -> torch.Tensor:
-    """logit_bias added to the raw logits, then min_tokens' blocked ids and the grammar's
-    mask set to -inf. Only constrained rows are touched. A grammar that allows nothing
-    but EOS wins over min_tokens (blocking both would leave no candidate)."""
+    """logit_bias added to the raw logits, then the grammar's mask and min_tokens'
+    blocked ids set to -inf. Only constrained rows are touched; the grammar rows' masks
+    go to the device in one copy. A grammar that allows nothing but EOS wins over
+    min_tokens (blocking both would leave no candidate)."""
     logits = logits.clone()
     dev = logits.device
     for i, r in enumerate(rows):
-        if not r.constrained:
-            continue
-        row = logits[i:i + 1]
         if r.params.logit_bias:
             ids = torch.tensor(list(r.params.logit_bias), dtype=torch.int64, device=dev)
-            row[0, ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=row.dtype, device=dev)
-        masked = row
+            logits[i, ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=logits.dtype, device=dev)
+    gram = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if gram:
+        logits[gram] = apply_bitmask(logits[gram], torch.stack([rows[i].allowed for i in gram]))
+    for i, r in enumerate(rows):
         if r.blocked:
-            masked = row.index_fill(1, torch.tensor(list(r.blocked), dtype=torch.int64, device=dev),
-                                    float("-inf"))
-        if r.allowed is not None:
-            masked = apply_bitmask(masked, r.allowed[None, :])
-            if r.blocked and bool(torch.isinf(masked).all()):
-                masked = apply_bitmask(row, r.allowed[None, :])
-        logits[i] = masked[0]
+            kept = logits[i].index_fill(0, torch.tensor(list(r.blocked), dtype=torch.int64, device=dev),
+                                        float("-inf"))
+            if r.allowed is None or not bool(torch.isinf(kept).all()):
+                logits[i] = kept
     return logits
 
 
