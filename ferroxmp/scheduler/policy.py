@@ -4,8 +4,10 @@ cached prefix first.
 Cache-aware order packs requests that share a prefix into the same window of
 time, while the tree still holds it. Aging bounds what that costs anyone: a
 request waiting longer than `aging_s` is taken strictly by arrival, and while an
-aged request cannot fit, nothing younger is admitted past it, so running rows
-drain until it does (the queue timeout bounds the rest).
+aged request cannot fit (or waits one chunk for a prefix a row is computing),
+nothing younger is admitted past it, so running rows drain until it does (the
+queue timeout bounds the rest). `match` is the cache manager's remembered, pure
+read, so ordering a queue costs a tree walk only for requests the tree moved under.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Callable
 
 from ferroxmp.scheduler.request import Request
 
-# Matching every waiting request costs a tree walk each; past this many, the tail
+# A match may cost a tree walk (after the tree changed); past this many, the tail
 # keeps arrival order.
 MAX_SORTED = 128
 
