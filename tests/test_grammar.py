@@ -173,3 +173,14 @@ def test_min_tokens_yields_to_a_grammar_that_allows_only_eos():
     rows = [RowSample(SamplingParams(temperature=t, min_tokens=5), 1, 3, allowed=_pack_bits(only),
                       blocked=(7, 0)) for t in (0.0, 1.0)]
     assert sample(logits, rows).tolist() == [7, 7]
+
+
+def test_a_row_slot_reused_after_a_constrained_request_is_unconstrained(tiny_model, make_harness):
+    """The matcher belongs to the request: a new NewRow in the same slot (after a finish
+    or an abort) must not inherit it, so the next request's tokens equal a fresh run's."""
+    h = make_harness(tiny_model)
+    _, finished, _ = decode_row(h, 0, SamplingParams(temperature=0.0, grammar=GRAMMAR))
+    assert finished
+    after, _ = h.generate({0: PROMPT}, 8, SamplingParams(temperature=0.0))
+    fresh, _ = make_harness(tiny_model).generate({0: PROMPT}, 8, SamplingParams(temperature=0.0))
+    assert after == fresh
