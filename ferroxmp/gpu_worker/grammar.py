@@ -3,12 +3,12 @@ token bitmasks that confine its next token to what the grammar allows.
 
 Job: compile a request's Grammar (json_object, json_schema, regex, ebnf) with xgrammar
 against this checkpoint's vocabulary (cached by spec), keep a row's matcher in step
-with the tokens the worker samples for it, and turn the matchers' bitmasks into a
-mask over the logits.
+with the tokens the worker samples for it, and write its bitmask for the next step
+(the sampler's `apply_bitmask` turns bitmasks into -inf logits).
 
-Why xgrammar: measured against llguidance 1.9.1 on the same vocabularies (tools/
-bench in the commit message): the per-step mask, paid on every decode step of a
-constrained row, is 9 us vs 224 us (tiny, 1k vocab) and 18 us vs 90 us (SmolLM2,
+Why xgrammar: measured against llguidance 1.9.1 on the same vocabularies
+(tools/bench_grammar.py; CPU shared with other jobs): the per-step mask, paid on
+every decode step of a constrained row, is 9 us vs 224 us (tiny, 1k vocab) and 18 us vs 90 us (SmolLM2,
 49k vocab); llguidance compiles faster (1-2 ms vs 4-24 ms), but compiling happens
 once per spec and is cached. xgrammar also reads EBNF (SGLang's `ebnf`) natively.
 
