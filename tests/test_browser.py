@@ -84,7 +84,10 @@ def metric(server, name: str) -> float:
 
 def settled(server, before: dict, timeout: float = 10.0) -> dict:
     """The first /stats taken after the requests sent since `before` all ended: the
-    counters come with the scheduler's heartbeat (every 0.5 s), not with the reply."""
+    counters come with the scheduler's heartbeat (every 0.5 s), not with the reply.
+    The wait of more than two heartbeats first is what makes it "after": without it an
+    idle heartbeat sent before a short request began still looks settled."""
+    time.sleep(1.1)
     deadline = time.time() + timeout
     while time.time() < deadline:
         stats = requests.get(server.url + "/stats", timeout=10).json()
