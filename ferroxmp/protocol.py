@@ -55,6 +55,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     grammar: Optional[Grammar] = None  # structured output: the worker masks what it forbids
     logit_bias: dict[int, float] = {}  # token id -> added to its raw logit (OpenAI's)
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many were generated
+    # echo + logprobs: each prompt token's logprob and top-n (the first has none). Such a
+    # request adopts no cached prefix, so the worker computes every prompt position.
+    prompt_logprobs: Optional[int] = None
 
     @property
     def greedy(self) -> bool:
@@ -106,6 +109,8 @@ class RowOut(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     queue_time: float = 0.0
+    # Prompt tokens' logprobs since the last RowOut, in order from prompt position 1.
+    prompt_logprobs: Optional[list[Logprobs]] = None
 
 
 class Stats(msgspec.Struct, omit_defaults=True):
@@ -166,6 +171,9 @@ class BatchResult(msgspec.Struct, tag=True):
     # Rows this batch could not compute (row -> why). They sampled nothing; the
     # scheduler ends their requests with an error and the batch's other rows go on.
     row_errors: dict[int, str] = {}
+    # row -> logprobs of prompt positions [start + 1, min(start + length + 1, prompt_len))
+    # of its step in this batch, only for rows whose params ask for prompt_logprobs.
+    prompt_logprobs: dict[int, list[Logprobs]] = {}
 
 
 # ---- handshake and control -------------------------------------------------------

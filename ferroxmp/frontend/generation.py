@@ -52,6 +52,7 @@ class Delta:
     text: str
     tokens: list[TokenInfo]
     finish_reason: Optional[str] = None
+    prompt_logprobs: list[Logprobs] = field(default_factory=list)  # prompt positions 1.., in order
 
 
 @dataclass
@@ -132,7 +133,7 @@ class Generation:
                 raise ApiError(status, out.error or "the request failed in the scheduler",
                                code="refused" if status < 500 else "unavailable")
             delta = self._apply(choice, out)
-            if delta.text or delta.tokens or delta.finish_reason:
+            if delta.text or delta.tokens or delta.finish_reason or delta.prompt_logprobs:
                 yield delta
 
     def _next(self) -> RowOut:
@@ -167,6 +168,7 @@ class Generation:
             c.last_token_at = now
         pieces, tokens = [], []
         lps = out.logprobs or []
+        plps = out.prompt_logprobs or []
         for k, t in enumerate(ids):
             tokens.append(TokenInfo(t, lps[k] if k < len(lps) else None))
             c.n_tokens += 1
@@ -176,18 +178,18 @@ class Generation:
             if c.stop.stopped:
                 self.bridge.abort(c.rid, "stop")
                 self._finish(c, "stop")
-                return Delta(c.index, "".join(pieces), tokens, "stop")
+                return Delta(c.index, "".join(pieces), tokens, "stop", plps)
         if out.finish_reason is not None and self.decode is None:
             self._finish(c, out.finish_reason)
-            return Delta(c.index, "", tokens, out.finish_reason)
+            return Delta(c.index, "", tokens, out.finish_reason, plps)
         if out.finish_reason is not None:
             pieces.append(c.stop.feed(c.detok.finish()))
             reason = "stop" if c.stop.stopped else out.finish_reason
             if not c.stop.stopped:
                 pieces.append(c.stop.finish())
             self._finish(c, reason)
-            return Delta(c.index, "".join(pieces), tokens, reason)
-        return Delta(c.index, "".join(pieces), tokens)
+            return Delta(c.index, "".join(pieces), tokens, reason, plps)
+        return Delta(c.index, "".join(pieces), tokens, prompt_logprobs=plps)
 
     def _finish(self, c: Choice, reason: str) -> None:
         c.finish_reason = reason

@@ -18,6 +18,7 @@ import msgspec
 from ferroxmp.frontend.detokenizer import CharOffsets
 from ferroxmp.frontend.generation import Delta, TokenInfo
 from ferroxmp.frontend.tokenizer import TextCodec
+from ferroxmp.protocol import Logprobs
 
 _json = msgspec.json.Encoder()
 
@@ -34,6 +35,7 @@ class ChoiceText:
     text: list[str] = field(default_factory=list)
     tokens: list[TokenInfo] = field(default_factory=list)
     finish_reason: Optional[str] = None
+    prompt_logprobs: list[Logprobs] = field(default_factory=list)  # prompt positions 1..
 
 
 @dataclass
@@ -59,33 +61,38 @@ class Formatter:
         c = self.acc.setdefault(d.index, ChoiceText())
         c.text.append(d.text)
         c.tokens.extend(d.tokens)
+        c.prompt_logprobs.extend(d.prompt_logprobs)
         c.finish_reason = d.finish_reason or c.finish_reason
 
     # ---- logprobs --------------------------------------------------------------------
 
-    def _completion_logprobs(self, index: int, tokens: list[TokenInfo], first: bool) -> Optional[dict]:
+    def _completion_logprobs(self, index: int, tokens: list[TokenInfo], first: bool,
+                             prompt_lps: list[Logprobs]) -> Optional[dict]:
         if self.top_logprobs is None:
             return None
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         base = 0
         if self.echo_texts:
             base = len(self.echo_texts[index // self.n])
-            if first:  # prompt tokens: their logprobs are not computed, so they are null
+            if first:  # prompt tokens: the first has no logprob (nothing precedes it)
                 prompt_offsets = CharOffsets()
-                for t in self.echo_ids[index // self.n]:
+                for k, t in enumerate(self.echo_ids[index // self.n]):
+                    lp = prompt_lps[k - 1] if 0 < k <= len(prompt_lps) else None
                     out["tokens"].append(self.codec.token_text(t))
-                    out["token_logprobs"].append(None)
-                    out["top_logprobs"].append(None)
+                    out["token_logprobs"].append(lp.token_logprob if lp else None)
+                    out["top_logprobs"].append(self._top(lp))
                     out["text_offset"].append(prompt_offsets.offset_of(self._text_bytes(t)))
         offsets = self._offsets.setdefault(index, CharOffsets())
         for t in tokens:
             lp = t.logprobs
             out["tokens"].append(self.codec.token_text(t.token_id))
             out["token_logprobs"].append(lp.token_logprob if lp else None)
-            out["top_logprobs"].append(
-                {self.codec.token_text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)} if lp else None)
+            out["top_logprobs"].append(self._top(lp))
             out["text_offset"].append(base + offsets.offset_of(self._text_bytes(t.token_id)))
         return out
+
+    def _top(self, lp: Optional[Logprobs]) -> Optional[dict]:
+        return {self.codec.token_text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)} if lp else None
 
     def _text_bytes(self, token_id: int) -> bytes:
         # Special tokens are skipped when the text is decoded: they take no characters.
@@ -133,7 +140,7 @@ class Formatter:
             if first and self.echo_texts:
                 text = self.echo_texts[d.index // self.n] + text
             choice = {"index": d.index, "text": text,
-                      "logprobs": self._completion_logprobs(d.index, d.tokens, first),
+                      "logprobs": self._completion_logprobs(d.index, d.tokens, first, d.prompt_logprobs),
                       "finish_reason": d.finish_reason}
             obj = "text_completion"
         body = {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
@@ -169,7 +176,7 @@ class Formatter:
             else:
                 if self.echo_texts:
                     text = self.echo_texts[i // self.n] + text
-                choices.append({"index": i, "text": text, "logprobs": self._completion_logprobs(i, c.tokens, True),
+                choices.append({"index": i, "text": text, "logprobs": self._completion_logprobs(i, c.tokens, True, c.prompt_logprobs),
                                 "finish_reason": c.finish_reason})
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,

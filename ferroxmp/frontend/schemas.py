@@ -195,6 +195,8 @@ def parse_completion(body: Any, vocab_size: int, max_model_len: Optional[int] = 
     req = _common(f, "completion", prompts, lim)
     req.echo = f.bool("echo")
     req.sampling.logprobs = f.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if req.echo:  # echoed prompt tokens get their logprobs too (the scheduler skips adoption)
+        req.sampling.prompt_logprobs = req.sampling.logprobs
     return req
 
 

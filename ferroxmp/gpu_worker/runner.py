@@ -176,11 +176,13 @@ class ModelRunner:
         with torch.inference_mode():
             hidden = self.model.forward(self._to_device(np.array(ids, dtype=np.int64)),
                                         self._to_device(plan.positions), self.attn)
+            prompt_lps = self._prompt_logprobs(batch, state, plan, hidden)
             sampling = [i for i, s in enumerate(batch.steps) if s.sample]
             if not sampling:
                 self._logits = None
                 self.rows.update(staged)
-                return BatchResult(batch_id=batch.batch_id, compute_s=time.perf_counter() - t0)
+                return BatchResult(batch_id=batch.batch_id, compute_s=time.perf_counter() - t0,
+                                   prompt_logprobs=prompt_lps)
             index = torch.tensor([plan.last_index[i] for i in sampling], device=self.device)
             logits = self.model.logits(hidden[index])
             rows = [batch.steps[i].row for i in sampling]
@@ -201,7 +203,28 @@ class ModelRunner:
         return BatchResult(batch_id=batch.batch_id, rows=pack_ids([r for r, _ in ok]),
                            tokens=pack_ids([t for _, t in ok]),
                            logprobs={rows[j]: lp for j, lp in zip(lp_rows, lps)},
-                           compute_s=time.perf_counter() - t0, row_errors=row_errors)
+                           compute_s=time.perf_counter() - t0, row_errors=row_errors,
+                           prompt_logprobs=prompt_lps)
+
+    def _prompt_logprobs(self, batch: ForwardBatch, state: dict[int, RowState], plan,
+                         hidden: torch.Tensor) -> dict[int, list]:
+        """For rows asking for prompt logprobs: the logprob (and top-n) of each prompt token
+        this step's positions predict. Position p's hidden state predicts token p + 1, so a
+        step [start, start + length) yields tokens start + 1 .. start + length, cut at the
+        prompt's end (the token after it is sampled and gets ordinary logprobs). Only these
+        rows' positions go through lm_head; every other row stays at its last position."""
+        out: dict[int, list] = {}
+        for i, s in enumerate(batch.steps):
+            st = state[s.row]
+            n = st.params.prompt_logprobs
+            stop = min(s.start + s.length + 1, st.prompt_len)
+            if n is None or stop <= s.start + 1:
+                continue
+            first = plan.last_index[i] - s.length + 1  # the step's first token, internal order
+            logits = self.model.logits(hidden[first:first + stop - s.start - 1])
+            targets = torch.tensor(st.tokens[s.start + 1:stop], device=self.device)
+            out[s.row] = logprobs_of(logits, targets, [n] * len(targets))
+        return out
 
     def _row_samples(self, want: list[RowState]) -> list[RowSample]:
         """What the sampler needs of each row: its grammar's bitmask for this step, and

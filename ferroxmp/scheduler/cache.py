@@ -81,7 +81,9 @@ class CacheManager:
         prefix of its known tokens under its salt, capped at len - 1 (the last known
         token must run to produce the next one's logits)."""
         n = req.known_len
-        if self.tree is None or n < 2:
+        # A request asking for prompt logprobs adopts nothing: the worker must compute
+        # every prompt position to report its logprob (a cached page holds KV, not logits).
+        if self.tree is None or n < 2 or req.params.prompt_logprobs is not None:
             return 0
         version, known, tokens = req.cache_match
         if version == self.tree.version and known == n:

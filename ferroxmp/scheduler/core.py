@@ -174,6 +174,8 @@ class SchedulerCore:
                 continue
             if req.finish_reason == "error":
                 continue  # its KV is not trusted any more: never published, never extended
+            if res.prompt_logprobs and (plps := res.prompt_logprobs.get(step.row)):
+                self._add_prompt_logprobs(req, step.start + 1, plps)
             end = step.start + step.length
             if end > req.computed:
                 req.computed = end
@@ -189,6 +191,15 @@ class SchedulerCore:
         for req, _ in steps:
             if req.inflight == 0 and (req.state is State.FINISHED or req.retracting):
                 self._release_if_done(req)
+
+    @staticmethod
+    def _add_prompt_logprobs(req: Request, first: int, lps: list) -> None:
+        """Keep, in order, the entries for prompt positions not reported yet; they travel
+        with the request's next RowOut (the one carrying its first token)."""
+        skip = req.prompt_logprobs_next - first
+        if 0 <= skip < len(lps):
+            req.pending_prompt_logprobs.extend(lps[skip:])
+            req.prompt_logprobs_next = first + len(lps)
 
     def _append(self, req: Request, token: int, logprobs) -> None:
         req.output.append(token)

@@ -48,6 +48,9 @@ def _row_out(req: Request):
     req.pending_logprobs = []
     ids = _PACK1(new[0]) if len(new) == 1 else struct.pack(f"<{len(new)}i", *new)
     # Positional (RowOut's field order): this runs once per row per step.
-    return RowOut(req.rid, ids, lps, req.finish_reason, req.error,
-                  500 if req.finish_reason == "error" else 200,
-                  len(req.prompt), req.cached_tokens, req.queue_time)
+    out = RowOut(req.rid, ids, lps, req.finish_reason, req.error,
+                 500 if req.finish_reason == "error" else 200,
+                 len(req.prompt), req.cached_tokens, req.queue_time)
+    if req.pending_prompt_logprobs:
+        out.prompt_logprobs, req.pending_prompt_logprobs = req.pending_prompt_logprobs, []
+    return out

@@ -57,6 +57,10 @@ class Request:
     retracting: bool = False  # retracted, waiting for its batches in flight to report back
     reported_tokens: int = 0  # outputs already sent to the frontend
     pending_logprobs: list[Logprobs] = field(default_factory=list)
+    # Prompt logprobs not yet sent, and the prompt position the next one is for (a row
+    # re-prefilled after a retraction reports positions already sent again: dropped).
+    pending_prompt_logprobs: list[Logprobs] = field(default_factory=list)
+    prompt_logprobs_next: int = 1
     prefill_target: int = 0  # positions to prefill before sampling: all tokens known at admission
     sampled_before: int = 0  # outputs that existed at (re-)admission
 
