@@ -7,6 +7,7 @@ any process, shared-memory segment or run-directory file that survived.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -190,3 +191,15 @@ def pages_leaked(url: str, timeout: float = 30.0, headers: Optional[dict] = None
     time.sleep(1.2)  # a fresh Stats heartbeat
     total, free = metric(url, "ferroxmp_kv_pages_total", headers), metric(url, "ferroxmp_kv_pages_free", headers)
     return int(total - free - metric(url, "ferroxmp_kv_pages_cached", headers))
+
+
+@contextlib.contextmanager
+def serving(model: Optional[str], *flags: str, **kw):
+    """A ServerProcess for a fixture: always stopped, and it must leave nothing behind
+    (process, shared memory, run directory) — checked once here for every test file."""
+    srv = ServerProcess(model, *flags, **kw)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+    assert not srv.leftovers(), srv.log()

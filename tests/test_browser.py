@@ -19,7 +19,7 @@ import requests
 from tokenizers import Tokenizer
 
 from scripted_model import SCRIPT, build_scripted_model
-from serverproc import ServerProcess
+from serverproc import ServerProcess, serving
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,10 +43,8 @@ def scripted(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(scripted):
-    srv = ServerProcess(scripted[0], *FLAGS)
-    yield srv
-    srv.stop()
-    assert not srv.leftovers()
+    with serving(scripted[0], *FLAGS) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import time
 import pytest
 import requests
 
-from serverproc import ServerProcess, stream_lines
+from serverproc import ServerProcess, stream_lines, serving
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,18 +30,14 @@ ANY = object()  # the error's param is not checked
 
 @pytest.fixture(scope="module")
 def limits(tiny_models):
-    srv = ServerProcess(tiny_models["llama"], *LIMITS)
-    yield srv
-    srv.stop()
-    assert not srv.leftovers()
+    with serving(tiny_models["llama"], *LIMITS) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def keyed(tiny_models):
-    srv = ServerProcess(tiny_models["llama"], "--page-size", "4", "--kv-pages", "256", "--api-key", KEY)
-    yield srv
-    srv.stop()
-    assert not srv.leftovers()
+    with serving(tiny_models["llama"], "--page-size", "4", "--kv-pages", "256", "--api-key", KEY) as srv:
+        yield srv
 
 
 def assert_error(r: requests.Response, status: int, param=ANY) -> dict:

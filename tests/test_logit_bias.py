@@ -10,7 +10,7 @@ import requests
 import torch
 
 from ferroxmp.protocol import SamplingParams
-from serverproc import ServerProcess
+from serverproc import serving
 
 transformers = pytest.importorskip("transformers")
 PROMPT = [11, 250, 37, 4, 980, 61, 5]
@@ -64,10 +64,8 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached(tiny_model, make_harnes
 
 @pytest.fixture(scope="module")
 def srv(tiny_models):
-    s = ServerProcess(tiny_models["llama"], "--page-size", "4", "--kv-pages", "512")
-    yield s
-    s.stop()
-    assert not s.leftovers()
+    with serving(tiny_models["llama"], "--page-size", "4", "--kv-pages", "512") as s:
+        yield s
 
 
 def gen(srv, **sampling):

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from serverproc import ServerProcess, StreamResult, pages_leaked, stream_generate
+from serverproc import ServerProcess, StreamResult, pages_leaked, stream_generate, serving
 
 FLAGS = ("--page-size", "4", "--kv-pages", "2048", "--max-running-requests", "16", "--max-model-len", "4096")
 N_REQUESTS = int(os.environ.get("FERROXMP_STALL_REQUESTS", "4"))
@@ -53,12 +53,8 @@ def stream_all(url: str, started: threading.Event | None = None) -> list[StreamR
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
-    srv = ServerProcess(tiny_models["llama"], *FLAGS)
-    try:
+    with serving(tiny_models["llama"], *FLAGS) as srv:
         yield srv
-    finally:
-        srv.stop()
-    assert srv.leftovers() == [], srv.log()
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import pydantic
 import pytest
 import requests
 
-from serverproc import ServerProcess
+from serverproc import ServerProcess, serving
 
 jsonschema = pytest.importorskip("jsonschema")
 pytestmark = pytest.mark.timeout(300)
@@ -37,10 +37,8 @@ CHAT = {"model": "llama", "messages": [{"role": "user", "content": "Describe a c
 
 @pytest.fixture(scope="module")
 def srv(tiny_models):
-    s = ServerProcess(tiny_models["llama"], *FLAGS)
-    yield s
-    s.stop()
-    assert not s.leftovers()
+    with serving(tiny_models["llama"], *FLAGS) as s:
+        yield s
 
 
 def post(srv, path, body):

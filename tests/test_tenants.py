@@ -14,7 +14,7 @@ import os
 import pytest
 import requests
 
-from serverproc import ServerProcess
+from serverproc import ServerProcess, serving
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,18 +28,14 @@ def tenants(tiny_models, tmp_path_factory):
     path = os.path.join(str(tmp_path_factory.mktemp("keys")), "keys.txt")
     with open(path, "w") as f:
         f.write("# tenants\n" + "".join(f"{t}:{k}\n" for t, k in KEYS.items()) + BARE + "\nacme:key-acme-2\n")
-    srv = ServerProcess(tiny_models["llama"], "--page-size", "4", "--kv-pages", "1024", "--api-key-file", path)
-    yield srv
-    srv.stop()
-    assert not srv.leftovers()
+    with serving(tiny_models["llama"], "--page-size", "4", "--kv-pages", "1024", "--api-key-file", path) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def open_srv(tiny_models):
-    srv = ServerProcess(tiny_models["llama"], "--page-size", "4", "--kv-pages", "1024")
-    yield srv
-    srv.stop()
-    assert not srv.leftovers()
+    with serving(tiny_models["llama"], "--page-size", "4", "--kv-pages", "1024") as srv:
+        yield srv
 
 
 def ask(srv: ServerProcess, key, prompt: str, **extra) -> tuple[str, int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from serverproc import ServerProcess
+from serverproc import serving
 
 transformers = pytest.importorskip("transformers")
 KEY = "sk-tokenize-test"
@@ -17,10 +17,8 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 @pytest.fixture(scope="module")
 def srv(tiny_models):
-    s = ServerProcess(tiny_models["llama"], "--page-size", "4", "--kv-pages", "256", "--api-key", KEY)
-    yield s
-    s.stop()
-    assert not s.leftovers()
+    with serving(tiny_models["llama"], "--page-size", "4", "--kv-pages", "256", "--api-key", KEY) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from ferroxmp.frontend.auth import Keyring, cache_salt
 from ferroxmp.frontend.prompts import PromptEncoder
 from ferroxmp.frontend.tokenizer import TextCodec
 from ferroxmp.logsafe import SafeFormatter
-from serverproc import ServerProcess
+from serverproc import ServerProcess, serving
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -39,18 +39,14 @@ GENERATE = {"input_ids": [5, 6], "sampling_params": {"max_tokens": 2}}
 
 @pytest.fixture(scope="module")
 def srv(tiny_models):
-    s = ServerProcess(tiny_models["llama"], "--page-size", "4", "--kv-pages", "2048", "--max-model-len", str(CONTEXT))
-    yield s
-    s.stop()
-    assert not s.leftovers()
+    with serving(tiny_models["llama"], "--page-size", "4", "--kv-pages", "2048", "--max-model-len", str(CONTEXT)) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def keyed(tiny_models):
-    s = ServerProcess(tiny_models["llama"], "--page-size", "4", "--kv-pages", "256", "--api-key", KEY)
-    yield s
-    s.stop()
-    assert not s.leftovers()
+    with serving(tiny_models["llama"], "--page-size", "4", "--kv-pages", "256", "--api-key", KEY) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

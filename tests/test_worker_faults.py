@@ -27,7 +27,7 @@ import zmq
 from ferroxmp.gpu_worker.faults import Faults
 from ferroxmp.protocol import (BatchResult, GenerateReq, Ready, RowStep, SamplingParams, TokenOut, encode, pack_ids,
                                unpack_ids)
-from serverproc import ServerProcess, pages_leaked, stream_generate
+from serverproc import pages_leaked, serving, stream_generate
 
 FLAGS = ("--page-size", "4", "--kv-pages", "1024", "--max-running-requests", "16")
 POISON_TOKEN = 99  # a forward holding it raises
@@ -100,12 +100,8 @@ def test_a_forward_that_raises_registers_its_rows_and_the_next_batch_runs(tiny_m
 @pytest.fixture(scope="module")
 def server(tiny_models):
     env = {"FERROXMP_FAULT_INJECT": f"forward_raise_token={POISON_TOKEN};sample_raise_seed={POISON_SEED}"}
-    srv = ServerProcess(tiny_models["llama"], *FLAGS, env=env)
-    try:
+    with serving(tiny_models["llama"], *FLAGS, env=env) as srv:
         yield srv
-    finally:
-        srv.stop()
-    assert srv.leftovers() == [], srv.log()
 
 
 @pytest.fixture(scope="module")

@@ -109,17 +109,28 @@ class StopMatcher:
         if not self.stops:
             return text
         buf = self.held + text
-        hit = min(((buf.find(s), s) for s in self.stops if s in buf), default=None)
-        if hit is not None:
-            self.stopped, self.matched, self.held = True, hit[1], ""
-            return buf[:hit[0]]
         keep = self._tail_that_may_start_a_stop(buf)
+        hit = self._earliest_hit(buf)
+        # A hit decides only if no longer stop could still start before it: with stops
+        # "a" and "baa", the text "ba" holds a hit at 1, but "baa" may yet match at 0.
+        if hit is not None and hit[0] <= len(buf) - keep:
+            return self._stop(buf, hit)
         self.held = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep]
 
     def finish(self) -> str:
         out, self.held = self.held, ""
-        return "" if self.stopped else out
+        if self.stopped:
+            return ""
+        hit = self._earliest_hit(out)  # the stream ended: a held hit now decides
+        return self._stop(out, hit) if hit is not None else out
+
+    def _earliest_hit(self, buf: str):
+        return min(((buf.find(s), s) for s in self.stops if s in buf), default=None)
+
+    def _stop(self, buf: str, hit) -> str:
+        self.stopped, self.matched, self.held = True, hit[1], ""
+        return buf[:hit[0]]
 
     def check_integrity(self) -> None:
         if self.held and not any(s.startswith(self.held) and len(self.held) < len(s) for s in self.stops):
