@@ -10,6 +10,7 @@ must be "stop" (EOS where the grammar accepts), never "length".
 from __future__ import annotations
 
 import json
+import time
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -171,6 +172,7 @@ def test_constrained_rows_survive_retraction_unchanged(tiny_models):
             jsonschema.validate(json.loads(ch["text"]), SCHEMA)
             if i < 3:
                 assert ch["text"] == solo[i], f"request {i} changed by retraction"
+        time.sleep(1.1)  # counters ride the scheduler's 0.5 s heartbeat: wait for one sent after the run
         stats = requests.get(s.url + "/stats", headers=s.headers, timeout=30).json()
         assert stats["retractions"] > 0, "the pool was never exhausted: this test proved nothing"
     finally:
