@@ -64,6 +64,15 @@ class DecoderLM:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device):
         self.cfg = cfg
         self.device = device
+        # Hooks the worker may replace (one place each, so modes never edit forward()):
+        # `linear` - a batch-invariant matmul in deterministic mode; `reduce_sum` - the
+        # all-reduce after row-parallel layers under tensor parallelism (identity at tp=1);
+        # `gather_vocab` - joins vocab-parallel logits (identity at tp=1).
+        self.linear = F.linear
+        self.reduce_sum = lambda x: x
+        self.gather_vocab = lambda x: x
+        # `embed_ids` - a vocab-parallel lookup under tensor parallelism.
+        self.embed_ids = lambda ids: F.embedding(ids, self.embed)
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
@@ -116,23 +125,23 @@ class DecoderLM:
         def rope(x: torch.Tensor) -> torch.Tensor:
             return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
-        h = F.embedding(input_ids, self.embed)
+        h = self.embed_ids(input_ids)
         T = h.shape[0]
         for li, L in enumerate(self.layers):
             x = self._rms(h, L.in_norm)
-            qkv = F.linear(x, L.w_qkv, L.b_qkv)
+            qkv = self.linear(x, L.w_qkv, L.b_qkv)
             q = qkv[:, :q_w].view(T, nh, hd)
             k = qkv[:, q_w:q_w + kv_w].view(T, nkv, hd)
             v = qkv[:, q_w + kv_w:].view(T, nkv, hd)
             if L.q_norm is not None:
                 q, k = self._rms(q, L.q_norm), self._rms(k, L.k_norm)
             o = attn.forward(li, rope(q), rope(k), v)
-            h = h + F.linear(o.reshape(T, q_w), L.w_o, L.b_o)
+            h = h + self.reduce_sum(self.linear(o.reshape(T, q_w), L.w_o, L.b_o))
             x = self._rms(h, L.post_norm)
-            gu = F.linear(x, L.w_gate_up)
-            h = h + F.linear(F.silu(gu[:, :cfg.intermediate_size]) * gu[:, cfg.intermediate_size:], L.w_down)
+            gu = self.linear(x, L.w_gate_up)
+            h = h + self.reduce_sum(self.linear(F.silu(gu[:, :cfg.intermediate_size]) * gu[:, cfg.intermediate_size:], L.w_down))
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head on the rows that sample -> float32 [n, vocab]."""
-        return F.linear(self._rms(hidden, self.norm), self.lm_head).float()
+        return self.gather_vocab(self.linear(self._rms(hidden, self.norm), self.lm_head)).float()
