@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Reproduces every figure of docs/BENCHMARKS.md on the smol-135m shape.
 #
-#   tools/bench_all.sh [SECTION...]     sections: worker peer radix ttft overlap radix-micro
+#   tools/bench_all.sh [SECTION...]     sections: worker peer radix ttft overlap burst radix-micro
 #                                       (default: all, in that order)
 # Env: MODEL (default /tmp/smol, built with tools/make_tiny_model.py if missing),
 #      OUT (default bench-results/), MAX_BUSY (default 0.3 cores), PEER_THREADS (default 2).
@@ -141,6 +141,21 @@ section_overlap() {
     measure overlap "${BENCH[@]}" --workload random \
         --num-prompts 32 --input-len 32 --output-len 256 --max-concurrency 16 \
         --seed 5 --out "$OUT/overlap.json"
+    stop_all
+}
+
+section_burst() {  # issue 13: 32 requests at once on a prefix the tree already holds
+    # A fresh server per run, primed with the shared system prompt (+ question 1), so both
+    # runs see the same tree: the one-at-a-time run would otherwise find the burst's questions.
+    local W=("$PY" tools/bench_serving.py --base-url "http://127.0.0.1:$A_PORT" --workload shared-prefix
+             --num-groups 1 --system-prompt-len 300 --question-len 32 --output-len 8 --warmup 0 --seed 11)
+    start_ferroxmp burst_one_A "$A_PORT"
+    "${W[@]}" --prompts-per-group 1 >/dev/null
+    measure burst_one "${W[@]}" --prompts-per-group 8 --max-concurrency 1 --out "$OUT/burst_one.json"
+    stop_all
+    start_ferroxmp burst_32_A "$A_PORT"
+    "${W[@]}" --prompts-per-group 1 >/dev/null
+    measure burst_32 "${W[@]}" --prompts-per-group 32 --out "$OUT/burst_32.json"
     stop_all
 }
 

@@ -159,11 +159,12 @@ class RequestResult:
 
 
 def stats_ms(values: list[float]) -> dict[str, float | None]:
-    """Mean, median and p99 in milliseconds; None each when there is nothing to measure."""
+    """Mean, median, p99 and max in milliseconds; None each when there is nothing to measure."""
     ms = [v * 1000.0 for v in values]
     if not ms:
-        return {"mean": None, "median": None, "p99": None}
-    return {"mean": sum(ms) / len(ms), "median": percentile(ms, 50), "p99": percentile(ms, 99)}
+        return {"mean": None, "median": None, "p99": None, "max": None}
+    return {"mean": sum(ms) / len(ms), "median": percentile(ms, 50), "p99": percentile(ms, 99),
+            "max": max(ms)}
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict:
@@ -437,7 +438,7 @@ ROWS += [(f"{m}_ms.{s}", f"{m.upper()} {s} (ms)", "{:.2f}")
 # TTFT split by cache hit (warm: at least half the prompt was cached); "-" where the server
 # reports no cached_tokens or no request fell on that side.
 _AFTER_TTFT = ROWS.index(("ttft_ms.p99", "TTFT p99 (ms)", "{:.2f}")) + 1
-ROWS[_AFTER_TTFT:_AFTER_TTFT] = [(f"ttft_{k}_ms.{s}", f"TTFT {k} {s} (ms)", "{:.2f}")
+ROWS[_AFTER_TTFT:_AFTER_TTFT] = [("ttft_ms.max", "TTFT max (ms)", "{:.2f}")] + [(f"ttft_{k}_ms.{s}", f"TTFT {k} {s} (ms)", "{:.2f}")
                                  for k in ("cold", "warm") for s in ("mean", "median")]
 
 
