@@ -42,7 +42,14 @@ class ServerArgs:
     disable_radix_cache: bool = _f(False, "Turn off prefix sharing.")
     disable_overlap: bool = _f(False, "Run one batch at a time instead of building N+1 while N computes.")
     swa_release_interval: int = _f(32, "Steps between releases of pages outside every sliding window.")
-    tp: int = _f(1, "Tensor-parallel ranks (one worker process each).")
+    tp: int = _f(1, "Tensor-parallel ranks in all (one worker process each, split evenly over --nnodes); "
+                 "must divide the attention heads and the MLP width.")
+    nnodes: int = _f(1, "Machines the --tp ranks span (torch.distributed; each runs `ferroxmp serve`).")
+    node_rank: int = _f(0, "This machine's place among --nnodes: 0 serves HTTP and runs the scheduler and "
+                        "ranks 0..tp/nnodes-1; any other runs only its worker ranks (its HTTP and scheduling "
+                        "flags are not used).")
+    dist_init_addr: Optional[str] = _f(None, "host:port of node 0's rendezvous (torch.distributed TCP store), "
+                                       "the same on every node; needed with --nnodes > 1.")
     worker_threads: int = _f(0, "Intra-op threads of each worker's forward; 0 = every core the worker may "
                              "run on (the scheduler and frontend sleep on sockets and use 1-5%% of the "
                              "worker's CPU time: docs/BENCHMARKS.md).")
@@ -57,6 +64,9 @@ class ServerArgs:
     max_body_bytes: int = _f(8 * 1024 * 1024, "Largest request body accepted (413 beyond).")
     http_threads: int = _f(512, "HTTP worker threads (each streaming client holds one).")
     seed: int = _f(0, "Seed for requests that give none.")
+    deterministic: bool = _f(False, "Same request, same bits: tokens and logprobs independent of the batch, "
+                             "chunking, cache hits, overlap and retraction (batch-invariant matmuls and "
+                             "attention; costs throughput: docs/BENCHMARKS.md section 11).")
 
     def validate(self) -> None:
         """Raise ValueError('--flag: why') for the first bad value."""
@@ -96,8 +106,16 @@ class ServerArgs:
             bad("shutdown_grace", f"must be >= 0, got {self.shutdown_grace}")
         if self.max_batch_tokens < self.max_running_requests and self.max_batch_tokens < 1:
             bad("max_batch_tokens", "must hold at least one token per running row")
-        if self.tp != 1:
-            bad("tp", "tensor parallelism is not implemented yet in this version; use --tp 1")
+        if self.nnodes < 1 or self.tp % self.nnodes:
+            bad("nnodes", f"must be at least 1 and divide --tp {self.tp}, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            bad("node_rank", f"must be in 0..{self.nnodes - 1}, got {self.node_rank}")
+        if self.nnodes > 1 and not re.fullmatch(r"\[?[\w.:-]+\]?:\d{1,5}", self.dist_init_addr or ""):
+            bad("dist_init_addr", f"--nnodes {self.nnodes} needs node 0's host:port, got {self.dist_init_addr!r}")
+        if self.deterministic and self.tp > 1:  # the follower ranks (tp_step.py) build the default kernels
+            bad("deterministic", "is not implemented with --tp > 1 yet; use --tp 1")
+        if self.nnodes == 1 and self.dist_init_addr is not None:
+            bad("dist_init_addr", "is only used with --nnodes > 1 (one node rendezvouses in its run directory)")
 
     @property
     def model_name(self) -> str:

@@ -10,6 +10,13 @@ that is alive but silent for `--stall-timeout` has its Python stacks dumped to t
 log and is then treated as dead; a shorter silence costs only latency.
 SIGTERM/SIGINT drains and exits 0. No secret is written to disk: the API key
 reaches the frontend through a pipe on its stdin.
+
+Tensor parallelism (--tp N over --nnodes M): each node's supervisor starts its N/M
+worker ranks at once (rank 0 is the worker the scheduler talks to; the others run
+gpu_worker/tp_step.py) and waits for all of them; they rendezvous in the run directory
+(one node) or at --dist-init-addr. Node 0 then starts the scheduler and the frontend.
+A node with --node-rank > 0 runs only its ranks: it exits 0 when rank 0 stops them, and
+1 (taking node 0 down through the lost connection) when any of its ranks dies.
 """
 from __future__ import annotations
 
@@ -38,7 +45,10 @@ WATCH_S = 0.2
 SELF_PAUSE_S = 2.0  # a watch turn this late means the supervisor itself was not running
 DUMP_WAIT_S = 1.0  # time for a stalled child to write its stacks after SIGUSR1
 MODULES = {"worker": "ferroxmp.gpu_worker.worker", "scheduler": "ferroxmp.scheduler.scheduler",
-           "frontend": "ferroxmp.frontend.server"}
+           "frontend": "ferroxmp.frontend.server", "rank": "ferroxmp.gpu_worker.tp_step"}
+WATCHED = ("worker", "scheduler", "frontend")  # children with a heartbeat slot (liveness.py);
+# ranks > 0 have none: one that stops makes rank 0 wait inside a collective, and rank 0 is watched
+RANK0_STOP_S = 3.0  # at teardown: time for rank 0 to tell the other ranks to stop
 
 
 class ChildDied(RuntimeError):
@@ -83,6 +93,10 @@ class Supervisor:
         # The key stays off the disk: the frontend reads it from a pipe (see start).
         self.launch: dict = {"args": {**args.to_dict(), "api_key": None}, "pool_name": self.pool_name,
                              "secrets_on_stdin": True}
+        if args.tp > 1:
+            init = (f"tcp://{args.dist_init_addr}" if args.nnodes > 1
+                    else f"file://{os.path.join(self.run_dir, 'tp_rendezvous')}")
+            self.launch["tp"] = {"init_method": init, "world": args.tp, "nnodes": args.nnodes}
         self.signalled: Optional[int] = None
 
     def _write_launch(self) -> None:
@@ -92,10 +106,23 @@ class Supervisor:
         os.replace(tmp, os.path.join(self.run_dir, "launch.json"))
 
     def start(self, name: str) -> Ready:
+        self._spawn(name)
+        return self._await_ready([name])[name]
+
+    def start_workers(self) -> Ready:
+        """This node's worker ranks, all at once (they rendezvous with each other), each
+        ready when every rank of the group has loaded its shard. Returns rank 0's Ready."""
+        per_node = self.args.tp // self.args.nnodes
+        first = self.args.node_rank * per_node
+        names = [self._spawn("worker" if r == 0 else f"worker{r}", rank=r) for r in range(first, first + per_node)]
+        return self._await_ready(names).get("worker")
+
+    def _spawn(self, name: str, rank: int = 0) -> str:
         self._write_launch()
+        module = MODULES["rank"] if rank > 0 else MODULES[name]
         proc = subprocess.Popen(
-            [sys.executable, "-m", MODULES[name], "--run-dir", self.run_dir], stdin=subprocess.PIPE,
-            start_new_session=True)  # a terminal's Ctrl-C reaches the supervisor only: it drains
+            [sys.executable, "-m", module, "--run-dir", self.run_dir] + (["--rank", str(rank)] if rank else []),
+            stdin=subprocess.PIPE, start_new_session=True)  # a terminal's Ctrl-C reaches the supervisor only
         self.children[name] = proc
         given = {"api_key": self.args.api_key} if name == "frontend" else {}
         try:
@@ -103,6 +130,10 @@ class Supervisor:
             proc.stdin.close()
         except BrokenPipeError:
             pass  # it died at once; _check_children says so
+        return name
+
+    def _await_ready(self, names: list[str]) -> dict[str, Ready]:
+        got: dict[str, Ready] = {}
         deadline = time.time() + READY_TIMEOUT_S
         while time.time() < deadline:
             self._check_children()
@@ -114,10 +145,13 @@ class Supervisor:
                 except ProtocolError as e:
                     log.error("dropped a frame on the supervisor socket: %s", e)
                     continue
-                if isinstance(msg, Ready) and msg.name == name:
-                    self.monitor.watch(name)
-                    return msg
-        raise ChildDied(f"{name} did not report ready within {READY_TIMEOUT_S:.0f}s")
+                if isinstance(msg, Ready) and msg.name in names:
+                    got[msg.name] = msg
+                    if msg.name in WATCHED:
+                        self.monitor.watch(msg.name)
+                    if len(got) == len(names):
+                        return got
+        raise ChildDied(f"{sorted(set(names) - set(got))} did not report ready within {READY_TIMEOUT_S:.0f}s")
 
     def _check_children(self) -> None:
         for name, proc in self.children.items():
@@ -153,12 +187,14 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         try:
-            worker = self.start("worker")
+            if self.args.node_rank > 0:
+                return self._serve_ranks_only()
+            worker = self.start_workers()
             self.launch["worker_info"] = worker.info
             log.info("worker ready: %s", worker.info)
             self.start("scheduler")
             self.launch["pids"] = {"supervisor": os.getpid(), "scheduler": self.children["scheduler"].pid,
-                                   "workers": [self.children["worker"].pid]}
+                                   "workers": [p.pid for n, p in self.children.items() if n.startswith("worker")]}
             self.start("frontend")
             log.info("serving %s on http://%s:%d (OpenAI API under /v1)",
                      self.args.model_name, self.args.host, self.args.port)
@@ -182,6 +218,27 @@ class Supervisor:
         finally:
             self.teardown()
 
+    def _serve_ranks_only(self) -> int:
+        """--node-rank > 0: this node's ranks only. 0 when they all exited 0 (rank 0 told
+        them to stop) or on SIGTERM; a rank that fails raises ChildDied (exit 1)."""
+        self.start_workers()
+        log.info("node %d of %d: worker ranks %s ready; node 0 serves", self.args.node_rank, self.args.nnodes,
+                 sorted(n for n in self.children))
+        while self.signalled is None:
+            codes = [p.poll() for p in self.children.values()]
+            if all(c == 0 for c in codes):
+                log.info("rank 0 stopped this node's ranks")
+                return 0
+            self._check_children_failed()
+            time.sleep(WATCH_S)
+        return 0
+
+    def _check_children_failed(self) -> None:
+        for name, proc in self.children.items():
+            rc = proc.poll()
+            if rc not in (None, 0):
+                raise ChildDied(f"{name} (pid {proc.pid}) exited with {rc}")
+
     def _fail_inflight(self, why: str) -> None:
         """Tell the frontend (if alive) to end every in-flight request with an error."""
         front = self.children.get("frontend")
@@ -204,8 +261,8 @@ class Supervisor:
         front = self.children["frontend"]  # already sent SIGTERM by _on_signal (a second one means "now")
         deadline = time.time() + self.args.shutdown_grace + 5
         while front.poll() is None and time.time() < deadline:
-            for name in ("worker", "scheduler"):
-                if self.children[name].poll() is not None:
+            for name in self.children:
+                if name != "frontend" and self.children[name].poll() is not None:
                     log.error("%s died while draining", name)
                     return 1
             time.sleep(0.1)
@@ -216,13 +273,25 @@ class Supervisor:
             proc = self.children.get(name)
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+        rank0 = self.children.get("worker")
+        others = [p for n, p in self.children.items() if n.startswith("worker") and n != "worker"]
+        if rank0 is not None and others:
+            try:  # rank 0 stops the other ranks (on every node) on its way out
+                rank0.wait(RANK0_STOP_S)
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in others:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
         deadline = time.time() + 5
-        for proc in self.children.values():
+        for name, proc in self.children.items():
             try:
                 proc.wait(max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            if proc.returncode not in (0, -signal.SIGTERM):
+                log.info("%s (pid %d) ended with %s", name, proc.pid, proc.returncode)
         unlink_segment(self.pool_name)
         self.monitor.close()
         self.ctx.destroy(linger=0)

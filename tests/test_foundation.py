@@ -77,7 +77,8 @@ def test_serve_help_lists_every_flag():
     (["--kv-pages", "0"], "--kv-pages"), (["--mem-fraction", "1.5"], "--mem-fraction"),
     (["--max-batch-tokens", "0"], "--max-batch-tokens"), (["--device", "tpu"], "--device"),
     (["--model", "/no/such/folder"], "--model"), (["--queue-timeout", "-1"], "--queue-timeout"),
-    (["--port", "abc"], "--port"), (["--tp", "2"], "--tp"),
+    (["--port", "abc"], "--port"), (["--tp", "0"], "--tp"), (["--tp", "2", "--nnodes", "2"], "--dist-init-addr"),
+    (["--tp", "3", "--nnodes", "2", "--dist-init-addr", "h:1"], "--nnodes"),
 ])
 def test_a_bad_flag_value_exits_non_zero_naming_the_flag(argv, flag):
     out = _serve(*argv)

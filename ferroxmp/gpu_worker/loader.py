@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from tqdm import tqdm
@@ -200,9 +200,16 @@ def _progress(total: int, what: str) -> tqdm:
                 file=sys.stderr, dynamic_ncols=True)
 
 
-def load_weights(model_path: str, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+Select = Callable[[str, tuple], Optional[tuple]]
+
+
+def load_weights(model_path: str, device: torch.device, dtype: torch.dtype,
+                 select: Optional[Select] = None) -> dict[str, torch.Tensor]:
+    """Every tensor, or with `select(name, shape)` -> a tuple of slices (() = whole,
+    None = skip) only those parts: a tensor-parallel rank's shard (tp.py). Safetensors
+    slices are read from the file as slices; GGUF tensors are dequantized whole, then cut."""
     if is_gguf(model_path):
-        return _load_gguf_weights(model_path, device, dtype)
+        return _load_gguf_weights(model_path, device, dtype, select)
     from safetensors import safe_open
     out: dict[str, torch.Tensor] = {}
     for path in weight_files(model_path):
@@ -210,12 +217,20 @@ def load_weights(model_path: str, device: torch.device, dtype: torch.dtype) -> d
             names = list(f.keys())
             with _progress(len(names), f"loading {os.path.basename(path)}") as bar:
                 for name in names:
-                    out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    if select is None:
+                        t = f.get_tensor(name)
+                    else:
+                        part = f.get_slice(name)
+                        index = select(name, tuple(part.get_shape()))
+                        t = None if index is None else (part[index] if index else part[:])
+                    if t is not None:
+                        out[name] = t.to(device=device, dtype=dtype)
                     bar.update()
     return out
 
 
-def _load_gguf_weights(model_path: str, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _load_gguf_weights(model_path: str, device: torch.device, dtype: torch.dtype,
+                       select: Optional[Select] = None) -> dict[str, torch.Tensor]:
     from ..checkpoint.gguf_config import hf_config
     from ..checkpoint.gguf_file import open_gguf
     from ..checkpoint.gguf_weights import iter_weights, weight_names
@@ -225,8 +240,11 @@ def _load_gguf_weights(model_path: str, device: torch.device, dtype: torch.dtype
     out: dict[str, torch.Tensor] = {}
     with _progress(len(weight_names(g)), f"dequantizing {os.path.basename(model_path)}") as bar:
         for name, w in iter_weights(g, heads, kv_heads):
-            w = w if w.flags.writeable else w.copy()  # the file is mapped read-only
-            out[name] = torch.from_numpy(w).to(device=device, dtype=dtype)
+            index = () if select is None else select(name, tuple(w.shape))
+            if index is not None:
+                w = w[index] if index else w
+                w = w.copy() if not w.flags.writeable or index else w  # mapped read-only; a slice: own it
+                out[name] = torch.from_numpy(w).to(device=device, dtype=dtype)
             bar.update()
     return out
 

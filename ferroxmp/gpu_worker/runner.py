@@ -54,17 +54,26 @@ class RowState:
 
 class ModelRunner:
     def __init__(self, model_path: str, pool: PagePool, page_size: int, device: str = "auto",
-                 dtype: str = "auto", attention: str = "auto"):
+                 dtype: str = "auto", attention: str = "auto", tp=None, deterministic: bool = False):
         self.device = resolve_device(device)
         self.config: ModelConfig = load_config(model_path, dtype)
-        weights = load_weights(model_path, self.device, self.config.dtype)
-        self.model = build_model(self.config, weights, self.device)
+        self.tp = tp  # --tp > 1: a tp_step.Leader, which tells the other ranks each step
+        if tp is None:
+            weights = load_weights(model_path, self.device, self.config.dtype)
+            self.model = build_model(self.config, weights, self.device)
+            shape = self.config
+        else:  # this rank's shard (tp.py): its heads, its slice of the MLP and vocabulary
+            self.model, shape = tp.build_model(model_path, self.config, self.device)
+        if deterministic:  # --deterministic: batch-invariant matmuls and attention (batch_invariant.py)
+            from .batch_invariant import make_deterministic
+            make_deterministic(self.model)
+            attention = "det"
         self.pool = pool
         self.page_size = page_size
-        self.kv = KVPool.for_model(self.config, pool.num_pages, page_size, self.config.dtype, self.device,
+        self.kv = KVPool.for_model(shape, pool.num_pages, page_size, self.config.dtype, self.device,
                                    layout=backend_layout(self.device, attention))
         self.attn = make_backend(self.kv, self.config.sliding_window, self.device, attention,
-                                 num_heads=self.config.num_heads)
+                                 num_heads=shape.num_heads)
         self.rows: dict[int, RowState] = {}
         self.failed: dict[int, str] = {}  # row -> why; its steps are skipped until a NewRow restarts it
         self.faults = None  # test-only fault injection (faults.py), set by the worker process
@@ -142,6 +151,8 @@ class ModelRunner:
         batch, skipped = skip_failed(self.failed, batch)
         try:
             staged = self._stage_rows(batch)
+            for row in staged:  # a new request in the slot: nothing kept for the old one applies
+                self.attn.forget(row)
             self._check_steps(batch.steps, staged)
             if not batch.steps:
                 self.rows.update(staged)
@@ -159,7 +170,10 @@ class ModelRunner:
         try:
             result = self._run(batch, staged, plan, t0)
         except Exception as e:  # a bug or OOM must not kill the worker: only this batch's rows fail
+            if self.tp is not None:
+                raise  # ...unless other ranks may be inside a collective this one left: fatal
             log.exception("batch %d failed", batch.batch_id)
+            self.attn.reset()  # the backend may hold K/V of a step that stopped part-way
             result = fail_batch(self.failed, self.rows, staged, batch,
                                 f"worker failed: {type(e).__name__}: {e}", t0)
         result.row_errors.update(skipped)
@@ -173,9 +187,11 @@ class ModelRunner:
             ids.extend(state[s.row].tokens[s.start:s.start + s.length])
         if self.faults is not None:
             self.faults.before_forward(ids)
+        ids_np = np.array(ids, dtype=np.int64)
         with torch.inference_mode():
-            hidden = self.model.forward(self._to_device(np.array(ids, dtype=np.int64)),
-                                        self._to_device(plan.positions), self.attn)
+            if self.tp is not None:
+                self.tp.send_step(plan, ids_np)
+            hidden = self.model.forward(self._to_device(ids_np), self._to_device(plan.positions), self.attn)
             prompt_lps = self._prompt_logprobs(batch, state, plan, hidden)
             sampling = [i for i, s in enumerate(batch.steps) if s.sample]
             if not sampling:
@@ -184,7 +200,7 @@ class ModelRunner:
                 return BatchResult(batch_id=batch.batch_id, compute_s=time.perf_counter() - t0,
                                    prompt_logprobs=prompt_lps)
             index = torch.tensor([plan.last_index[i] for i in sampling], device=self.device)
-            logits = self.model.logits(hidden[index])
+            logits = self._logits_at(hidden, index)
             rows = [batch.steps[i].row for i in sampling]
             want = [state[r] for r in rows]
             chosen, bad = sample_rows(logits, self._row_samples(want), self.faults)
@@ -221,10 +237,17 @@ class ModelRunner:
             if n is None or stop <= s.start + 1:
                 continue
             first = plan.last_index[i] - s.length + 1  # the step's first token, internal order
-            logits = self.model.logits(hidden[first:first + stop - s.start - 1])
+            logits = self._logits_at(hidden, slice(first, first + stop - s.start - 1))
             targets = torch.tensor(st.tokens[s.start + 1:stop], device=self.device)
             out[s.row] = logprobs_of(logits, targets, [n] * len(targets))
         return out
+
+    def _logits_at(self, hidden: torch.Tensor, index) -> torch.Tensor:
+        """lm_head on some of the step's positions; under --tp the other ranks compute their
+        vocabulary shard of the same positions (the gather needs every rank)."""
+        if self.tp is not None:
+            self.tp.send_logits(index)
+        return self.model.logits(hidden[index])
 
     def _row_samples(self, want: list[RowState]) -> list[RowSample]:
         """What the sampler needs of each row: its grammar's bitmask for this step, and

@@ -58,30 +58,42 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def run_worker(args: dict, run_dir: str, pool_name: str) -> int:
+def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict] = None) -> int:
     sa = ServerArgs.from_dict(args)
     parent = os.getppid()
     parent_alive = watch_parent(signal.SIGTERM)
     heart = Heartbeat(run_dir, "worker")
     signal.signal(signal.SIGTERM, _on_sigterm)
-    torch.set_num_threads(sa.worker_threads or _cores())
+    local_ranks = sa.tp // sa.nnodes  # tensor-parallel ranks sharing this machine's cores
+    torch.set_num_threads(sa.worker_threads or max(1, _cores() // local_ranks))
     model_path = sa.model
     if model_path is None:
         from ..tiny_model import ensure_demo_model
         model_path = ensure_demo_model()
     device = resolve_device(sa.device)
     cfg = load_config(model_path, sa.dtype)
-    reserved = weight_bytes(model_path, cfg.dtype) if device.type == "cuda" else 0
-    num_pages = pages_for_budget(cfg, sa.page_size, cfg.dtype, sa.kv_pages, sa.kv_cache_gb,
+    shape, leader = cfg, None  # --tp > 1: rank 0 of the group (tp_step.py); its KV holds its heads only
+    if sa.tp > 1:
+        from . import tp_step
+        from .tp import Shard
+        shape = Shard(cfg, 0, sa.tp).local_config
+    reserved = weight_bytes(model_path, cfg.dtype) // sa.tp if device.type == "cuda" else 0
+    num_pages = pages_for_budget(shape, sa.page_size, cfg.dtype, sa.kv_pages, sa.kv_cache_gb,
                                  sa.mem_fraction, device, reserved_bytes=reserved)
     max_model_len = min(sa.max_model_len or math.inf, cfg.max_position_embeddings)
     max_pages_per_row = math.ceil(max_model_len / sa.page_size)
     pool: Optional[PagePool] = None
     ctx: Optional[zmq.Context] = None
     try:
+        if sa.tp > 1:
+            leader = tp_step.Leader(tp_step.join(tp_info, 0, device, sa, cfg))
+            num_pages = tp_step.agree_pages(leader.tp, num_pages, sa, cfg, max_pages_per_row)
         pool = PagePool.create(num_pages, max_rows=sa.max_running_requests,
                                max_pages_per_row=max_pages_per_row, name=pool_name)
-        runner = ModelRunner(model_path, pool, sa.page_size, device=sa.device, dtype=sa.dtype)
+        runner = ModelRunner(model_path, pool, sa.page_size, device=sa.device, dtype=sa.dtype, tp=leader,
+                             deterministic=sa.deterministic)
+        if leader is not None:
+            leader.tp.barrier()  # every rank has loaded its shard (and may attach the pool)
         runner.faults = faults.from_env()
         ends = protocol.endpoints(run_dir)
         ctx = zmq.Context()
@@ -95,11 +107,13 @@ def run_worker(args: dict, run_dir: str, pool_name: str) -> int:
                 "max_rows": sa.max_running_requests, "max_pages_per_row": max_pages_per_row,
                 "vocab_size": cfg.vocab_size, "eos_token_ids": cfg.eos_token_ids,
                 "sliding_window": cfg.sliding_window, "model_type": cfg.model_type,
-                "dtype": cfg.dtype_name, "device": str(runner.device), "model_path": model_path}
+                "dtype": cfg.dtype_name, "device": str(runner.device), "model_path": model_path, "tp": sa.tp}
         supervisor.send(protocol.encode(protocol.Ready(name="worker", pid=os.getpid(), info=info)))
         log.info("worker ready: %s", info)
-        return _serve(runner, pull, results, parent_alive, heart)
+        return _serve(runner, pull, results, parent_alive, heart, leader)
     finally:
+        if leader is not None:
+            leader.stop()
         if ctx is not None:
             ctx.destroy(linger=0)
         if pool is not None:
@@ -108,12 +122,15 @@ def run_worker(args: dict, run_dir: str, pool_name: str) -> int:
         remove_if_orphaned(run_dir, parent)
 
 
-def _serve(runner: ModelRunner, pull: zmq.Socket, results: zmq.Socket, parent_alive, heart: Heartbeat) -> int:
+def _serve(runner: ModelRunner, pull: zmq.Socket, results: zmq.Socket, parent_alive, heart: Heartbeat,
+           leader=None) -> int:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     while True:
         heart.beat()
         if not poller.poll(POLL_MS):
+            if leader is not None:
+                leader.tick()  # the other ranks wait in a broadcast: keep them (and gloo) alive
             if not parent_alive():
                 log.warning("the supervisor is gone; exiting")
                 return 1
@@ -126,6 +143,8 @@ def _serve(runner: ModelRunner, pull: zmq.Socket, results: zmq.Socket, parent_al
             continue
         if isinstance(msg, protocol.ForwardBatch):
             results.send(protocol.encode(runner.execute(msg)))
+            if leader is not None:
+                leader.done()
         elif isinstance(msg, protocol.Shutdown):
             log.info("shutdown: %s", msg.reason or "asked")
             return 0
@@ -141,9 +160,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         launch = json.load(f)
     setup_logging("worker", str(launch["args"].get("log_level", "info")))
     try:
-        return run_worker(launch["args"], a.run_dir, launch["pool_name"])
-    except (UnsupportedModel, OSError, RuntimeError) as e:  # startup: say what, not a traceback
-        log.error("worker failed to start: %s", e)
+        return run_worker(launch["args"], a.run_dir, launch["pool_name"], launch.get("tp"))
+    except (UnsupportedModel, OSError, RuntimeError) as e:  # startup, or a lost tp rank: say what
+        log.error("worker stops: %s", e)
         return 1
 
 

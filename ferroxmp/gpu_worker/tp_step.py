@@ -1,0 +1,255 @@
+"""The step channel of tensor parallelism: rank 0 tells every other rank what to compute;
+and the process of a rank > 0 (a follower).
+
+    python -m ferroxmp.gpu_worker.tp_step --run-dir DIR --rank R   (started by the supervisor)
+
+Rank 0 is the worker the scheduler talks to (worker.py): it receives each ForwardBatch,
+validates it, resolves every row's input tokens and plans attention, then broadcasts the
+STEP and runs the forward with the others. Followers keep no row state (no tokens, no
+sampler, no grammar): they are told which positions to compute and which to put through
+lm_head, so they cannot diverge from rank 0. (Replaying the ForwardBatch on every rank
+would need the same sampled tokens, failed rows and grammar refusals everywhere, and one
+difference would make the ranks call different collectives: a hang.)
+
+Messages (int64 arrays over the gloo group; one broadcast when a message fits CAP words):
+- STEP [R, T, with_pages] + (row, start, length) x R in internal order + T token ids,
+  + when the group spans nodes: each row's first page index, page count, and the pages.
+  Ranks on node 0 read page lists from the shared-memory page table like rank 0 (the
+  entries a step reads do not change while it is in flight); ranks on other nodes have
+  no shared memory and rebuild those entries from the message. One node: no page travels.
+- LOGITS [indices]: lm_head on those positions of the last STEP (vocab shard + all-gather).
+- TICK: sent on every idle poll of rank 0 (0.5 s): gloo's timeout never fires on an idle
+  server, and a follower notices a dead supervisor.
+- STOP: exit 0.
+
+Failure: a collective that loses a peer raises; the rank exits non-zero and its
+supervisor tears the server down. Rank 0 treats an exception inside a step as fatal
+(the others may be inside a collective it will never join).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import signal
+import sys
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .. import protocol
+from ..config import ServerArgs, setup_logging, watch_parent
+from ..radix.pages import PagePool
+from .attention import StepPlan, backend_layout, make_backend
+from .kv_pool import KVPool, pages_for_budget
+from .loader import ModelConfig, UnsupportedModel, load_config, resolve_device, weight_bytes
+from .tp import Shard, TPGroup, build_model, check_divides
+
+log = logging.getLogger("ferroxmp.worker")
+STEP, LOGITS, TICK, STOP = 1, 2, 3, 4
+CAP = 256  # int64 words broadcast at once; a longer message takes a second broadcast
+
+
+class Channel:
+    def __init__(self, tp: TPGroup) -> None:
+        self.group = tp.ctrl
+        self.buf = torch.zeros(CAP, dtype=torch.int64)
+
+    def send(self, kind: int, payload: Optional[np.ndarray] = None) -> None:
+        import torch.distributed as dist
+        n = 0 if payload is None else len(payload)
+        head = min(n, CAP - 2)
+        self.buf[0], self.buf[1] = kind, n
+        if head:
+            self.buf[2:2 + head] = torch.from_numpy(payload[:head])
+        dist.broadcast(self.buf, 0, group=self.group)
+        if n > head:
+            dist.broadcast(torch.from_numpy(np.ascontiguousarray(payload[head:])), 0, group=self.group)
+
+    def recv(self) -> tuple[int, np.ndarray]:
+        import torch.distributed as dist
+        dist.broadcast(self.buf, 0, group=self.group)
+        kind, n = int(self.buf[0]), int(self.buf[1])
+        head = min(n, CAP - 2)
+        out = np.empty(n, np.int64)
+        out[:head] = self.buf[2:2 + head].numpy()
+        if n > head:
+            rest = torch.empty(n - head, dtype=torch.int64)
+            dist.broadcast(rest, 0, group=self.group)
+            out[head:] = rest.numpy()
+        return kind, out
+
+
+def encode_step(plan: StepPlan, ids: np.ndarray, with_pages: bool) -> np.ndarray:
+    parts = [np.array([len(plan.rows), len(ids), int(with_pages)], np.int64),
+             np.stack([plan.rows, plan.starts, plan.lengths], 1).ravel(), ids]
+    if with_pages:
+        parts += [plan.first_page, np.diff(plan.kv_indptr), plan.kv_pages]
+    return np.concatenate([np.asarray(p, np.int64) for p in parts])
+
+
+def decode_step(data: np.ndarray, table_shape: tuple[int, int]):
+    """-> (triples, ids, table or None): the table holds exactly the entries the step reads."""
+    R, T, with_pages = (int(x) for x in data[:3])
+    triples = [tuple(t) for t in data[3:3 + 3 * R].reshape(R, 3).tolist()]
+    ids = data[3 + 3 * R:3 + 3 * R + T]
+    if not with_pages:
+        return triples, ids, None
+    rest = data[3 + 3 * R + T:]
+    first, count, pages = rest[:R], rest[R:2 * R], rest[2 * R:]
+    row_of = np.repeat(np.arange(R), count)
+    col = first[row_of] + np.arange(len(pages)) - np.repeat(np.cumsum(count) - count, count)
+    table = np.zeros(table_shape, np.int32)
+    table[np.array([t[0] for t in triples])[row_of], col] = pages
+    return triples, ids, table
+
+
+def rank_device(name: str, local_rank: int) -> torch.device:
+    device = resolve_device(name)
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return device
+
+
+def join(t: dict, rank: int, device: torch.device, sa: ServerArgs, cfg: ModelConfig) -> TPGroup:
+    """t: launch.json's "tp" ({"init_method", "world", "nnodes"}, written by the supervisor)."""
+    check_divides(cfg, t["world"])  # every rank refuses the same model, by name
+    # gloo's own timeout: far beyond any step (a step must end within --stall-timeout).
+    return TPGroup.join(rank, t["world"], t["nnodes"], t["init_method"], device,
+                        timeout_s=max(600.0, 4 * sa.stall_timeout))
+
+
+def agree_pages(tp: TPGroup, num_pages: int, sa: ServerArgs, cfg: ModelConfig, max_pages_per_row: int) -> int:
+    """The smallest rank's page count; refuses ranks started with another model or shape."""
+    return tp.agree([num_pages, sa.page_size, sa.max_running_requests, max_pages_per_row,
+                     cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size, cfg.hidden_size])[0]
+
+
+class Leader:
+    """Rank 0's side: what the runner calls (send_step, send_logits) and the worker loop
+    (tick, stop)."""
+
+    def __init__(self, tp: TPGroup) -> None:
+        self.tp = tp
+        self.channel = Channel(tp)
+        self.with_pages = tp.nnodes > 1
+        self.busy = False  # a step began and the worker has not yet called done()
+
+    def build_model(self, model_path: str, cfg: ModelConfig, device: torch.device):
+        return build_model(model_path, cfg, device, self.tp)
+
+    def send_step(self, plan: StepPlan, ids: np.ndarray) -> None:
+        self.busy = True
+        self.channel.send(STEP, encode_step(plan, ids, self.with_pages))
+
+    def send_logits(self, index) -> None:
+        if isinstance(index, slice):
+            arr = np.arange(index.start, index.stop, dtype=np.int64)
+        else:
+            arr = np.asarray(index.tolist() if isinstance(index, torch.Tensor) else index, np.int64)
+        self.channel.send(LOGITS, arr)
+
+    def done(self) -> None:
+        self.busy = False
+
+    def tick(self) -> None:
+        self.channel.send(TICK)
+
+    def stop(self) -> None:
+        """Tell the others to exit, unless a step was cut short (they are inside a
+        collective rank 0 will not finish: they find out when its connections close)."""
+        if not self.busy:
+            try:
+                self.channel.send(STOP)
+            except RuntimeError:
+                pass
+        self.tp.close()
+
+
+def follow(channel: Channel, model, attn, pool: Optional[PagePool], table_shape: tuple[int, int],
+           device: torch.device, parent_alive) -> int:
+    hidden: Optional[torch.Tensor] = None
+    to_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    with torch.inference_mode():
+        while True:
+            kind, data = channel.recv()
+            if kind == STEP:
+                triples, ids, table = decode_step(data, table_shape)
+                plan = attn.plan(triples, pool.page_table if table is None else table)
+                hidden = model.forward(to_dev(ids), to_dev(plan.positions), attn)
+            elif kind == LOGITS:
+                model.logits(hidden[to_dev(data)])  # this rank's vocab shard joins the gather
+            elif kind == TICK:
+                if not parent_alive():
+                    log.warning("the supervisor is gone; exiting")
+                    return 1
+            elif kind == STOP:
+                return 0
+            else:
+                raise RuntimeError(f"unknown step message {kind}")
+
+
+def run_follower(launch: dict, run_dir: str, rank: int) -> int:
+    sa = ServerArgs.from_dict(launch["args"])
+    parent_alive = watch_parent(signal.SIGTERM)  # SIGTERM's default: exit at once (nothing to clean)
+    t = launch["tp"]
+    per_node = t["world"] // t["nnodes"]
+    torch.set_num_threads(sa.worker_threads or max(1, len(os.sched_getaffinity(0)) // per_node))
+    device = rank_device(sa.device, rank % per_node)
+    cfg = load_config(sa.model, sa.dtype)
+    shape = Shard(cfg, rank, t["world"]).local_config
+    reserved = weight_bytes(sa.model, cfg.dtype) // t["world"] if device.type == "cuda" else 0
+    num_pages = pages_for_budget(shape, sa.page_size, cfg.dtype, sa.kv_pages, sa.kv_cache_gb,
+                                 sa.mem_fraction, device, reserved_bytes=reserved)
+    max_model_len = min(sa.max_model_len or math.inf, cfg.max_position_embeddings)
+    max_pages_per_row = math.ceil(max_model_len / sa.page_size)
+    tp = join(t, rank, device, sa, cfg)
+    pool: Optional[PagePool] = None
+    try:
+        num_pages = agree_pages(tp, num_pages, sa, cfg, max_pages_per_row)
+        model, shape = build_model(sa.model, cfg, device, tp)
+        kv = KVPool.for_model(shape, num_pages, sa.page_size, cfg.dtype, device, layout=backend_layout(device))
+        attn = make_backend(kv, cfg.sliding_window, device, num_heads=shape.num_heads)
+        tp.barrier()  # every rank loaded; rank 0 created the page pool before it loaded
+        if tp.node == 0:
+            pool = PagePool.attach(launch["pool_name"])
+        import zmq
+        ctx = zmq.Context()
+        try:
+            sup = ctx.socket(zmq.PUSH)
+            sup.connect(protocol.endpoints(run_dir)["supervisor"])
+            sup.send(protocol.encode(protocol.Ready(name=f"worker{rank}", pid=os.getpid(),
+                                                    info={"rank": rank, "device": str(device)})))
+        finally:
+            ctx.destroy(linger=1000)
+        log.info("rank %d of %d ready (node %d, %s, %d query / %d KV heads)", rank, t["world"], tp.node,
+                 device, shape.num_heads, shape.num_kv_heads)
+        return follow(Channel(tp), model, attn, pool, (sa.max_running_requests, max_pages_per_row),
+                      device, parent_alive)
+    finally:
+        if pool is not None:
+            pool.close()
+        tp.close()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ferroxmp.gpu_worker.tp_step")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    a = p.parse_args(argv)
+    with open(os.path.join(a.run_dir, "launch.json"), encoding="utf-8") as f:
+        launch = json.load(f)
+    setup_logging(f"worker{a.rank}", str(launch["args"].get("log_level", "info")))
+    try:
+        return run_follower(launch, a.run_dir, a.rank)
+    except (UnsupportedModel, OSError, RuntimeError) as e:  # a lost peer, a refused model: say what
+        log.error("rank %d stops: %s", a.rank, e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
