@@ -201,9 +201,8 @@ def test_reserved_names_in_chat_template_kwargs_are_a_400(srv, name):
 # ---- nothing accepted and ignored ------------------------------------------------------
 
 UNSERVED = [  # a field another change implements is skipped (see the test)
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
-    ("/v1/chat/completions", {"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),  # the pre-tools API
+    ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
     ("/v1/chat/completions", {"frobnicate": 1}, "frobnicate"),
     ("/v1/chat/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),

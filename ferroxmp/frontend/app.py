@@ -8,6 +8,7 @@ back, however its response ends (done, error, client gone).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -19,7 +20,7 @@ import msgspec
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from ferroxmp.frontend import schemas, tokenize_api
+from ferroxmp.frontend import schemas, tokenize_api, tool_render, tools
 from ferroxmp.frontend.auth import Keyring, cache_salt
 from ferroxmp.frontend.errors import ApiError, bad_param
 from ferroxmp.frontend.fields import decode_body
@@ -53,6 +54,7 @@ def create_app(state: FrontendState) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = int(state.args.get("max_body_bytes") or 8 * 1024 * 1024)
     keyring = Keyring.from_args(state.args)
     encoder = PromptEncoder.for_codec(state.codec, state.max_model_len)
+    tool_format = tools.format_for_template(getattr(state.codec, "chat_template", None))
     # With a key, everything needs it but the probe, the chat page's own files and, when
     # asked, the scrape target.
     open_paths = {"/health", "/"} | ({"/metrics"} if state.args.get("metrics_public") else set())
@@ -144,14 +146,18 @@ def create_app(state: FrontendState) -> Flask:
 
     @app.post("/v1/chat/completions")
     def chat_completions():
-        req = schemas.parse_chat(body_json(), state.vocab_size, state.max_model_len)
+        req = schemas.parse_chat(body_json(), state.vocab_size, state.max_model_len, tool_format)
         check_model(req.model)
+        messages, tool_list = tool_render.template_inputs(req.prompts[0], req.tools, encoder.reads_tools)
         try:
-            ids = encoder.encode_chat(req.prompts[0], req.chat_extra)
+            ids = encoder.encode_chat(messages, req.chat_extra, tools=tool_list)
         except (jinja2.TemplateError, TypeError, ValueError) as e:  # the template's own errors, on client data
             raise bad_param("messages", f"the chat template refused these messages: {e}") from None
+        parser = None
+        if req.tools is not None and req.tools.parses:
+            parser = functools.partial(tools.ToolParser, tool_format, req.tools.names, req.tools.max_calls)
         fmt = Formatter("chat", g.request_id, state.model_name, state.codec, top_logprobs=req.sampling.logprobs,
-                        n=req.n)
+                        n=req.n, tool_parser=parser)
         return run(req, [ids], fmt)
 
     @app.post("/generate")
@@ -243,8 +249,8 @@ def _events(gen: Generation, deltas, first, fmt: Formatter, include_usage: bool)
     the shutdown grace ended, a bug) ends with an error event, never silently."""
     try:
         for d in itertools.chain([first] if first is not None else [], deltas):
-            if not fmt.is_empty(d):
-                yield sse(fmt.chunk(d, include_usage))
+            for chunk in fmt.chunks(d, include_usage):
+                yield sse(chunk)
         if include_usage:
             yield sse(fmt.usage_chunk(gen.usage))
         yield SSE_DONE

@@ -115,13 +115,20 @@ class PromptEncoder:
         with _long_texts:
             return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def encode_chat(self, messages: list[dict], extra: dict) -> list[int]:
-        """As TextCodec.encode_chat: the template writes every special token it wants."""
+    @property
+    def reads_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list (unknown: assume it does)."""
+        return self.template_vars is None or "tools" in self.template_vars
+
+    def encode_chat(self, messages: list[dict], extra: dict, tools: Optional[list] = None) -> list[int]:
+        """As TextCodec.encode_chat: the template writes every special token it wants.
+        `tools` goes to the template's `tools` variable (tool_render decides it)."""
         for name in extra:
             if self.template_vars is not None and name != "add_generation_prompt" and name not in self.template_vars:
                 raise bad_param(f"chat_template_kwargs.{name}", f"this model's chat template does not use "
                                 f"'{name:.64}'; it would be ignored")
-        return self.encode(self.codec.render_chat(messages, **extra), "messages", add_special_tokens=False)
+        text = self.codec.render_chat(messages, tools=tools, **extra)
+        return self.encode(text, "messages", add_special_tokens=False)
 
 
 def _template_vars(codec: Any) -> Optional[frozenset]:

@@ -5,19 +5,23 @@ the accumulated choices, the whole non-streamed body. Invariants: a streamed
 response's text concatenated per choice equals the non-streamed text for the
 same deltas; `usage` is the same dict in both; a chat stream opens each choice
 with `{"role": "assistant", "content": ""}`; logprob token strings come from the
-token's bytes, never from a re-tokenization.
+token's bytes, never from a re-tokenization. With tool parsing (`tool_parser`), each
+choice's text goes through its own tools.ToolParser in both shapes, so streamed content
+and `tool_calls` deltas reassemble to the non-streamed message; finish_reason "stop"
+becomes "tool_calls" when the choice made a call.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import msgspec
 
 from ferroxmp.frontend.detokenizer import CharOffsets
 from ferroxmp.frontend.generation import Delta, TokenInfo
 from ferroxmp.frontend.tokenizer import TextCodec
+from ferroxmp.frontend.tools import ToolCall, ToolParser
 from ferroxmp.protocol import Logprobs
 
 _json = msgspec.json.Encoder()
@@ -48,10 +52,12 @@ class Formatter:
     echo_texts: list[str] = field(default_factory=list)  # per prompt, when echo
     echo_ids: list[list[int]] = field(default_factory=list)
     n: int = 1
+    tool_parser: Optional[Callable[[], ToolParser]] = None  # chat with tools: a fresh parser per choice
     created: int = field(default_factory=lambda: int(time.time()))
     acc: dict[int, ChoiceText] = field(default_factory=dict)
     _opened: set = field(default_factory=set)
     _offsets: dict[int, CharOffsets] = field(default_factory=dict)  # per choice, across chunks
+    _parsers: dict[int, ToolParser] = field(default_factory=dict)  # per streamed choice
 
     @property
     def response_id(self) -> str:
@@ -120,6 +126,47 @@ class Formatter:
         return (self.kind != "generate" and not d.text and d.finish_reason is None
                 and self.top_logprobs is None)
 
+    def chunks(self, d: Delta, include_usage: bool) -> list[dict]:
+        """The SSE chunks for one delta: none while its text is held back."""
+        if self.kind != "chat" or self.tool_parser is None:
+            return [] if self.is_empty(d) else [self.chunk(d, include_usage)]
+        p = self._parsers.get(d.index)
+        if p is None:
+            p = self._parsers[d.index] = self.tool_parser()
+        events = p.feed(d.text) + (p.finish() if d.finish_reason is not None else [])
+        first = d.index not in self._opened
+        self._opened.add(d.index)
+        lps = self._chat_logprobs(d.tokens) if d.tokens else None
+        deltas: list[dict] = []
+        if first or lps is not None:  # the role opens the choice; logprobs ride on a content delta
+            deltas.append({"role": "assistant", "content": ""} if first else {"content": ""})
+        k = p.calls - sum(isinstance(e, ToolCall) for e in events)  # the index of this delta's first call
+        for e in events:
+            if isinstance(e, ToolCall):  # OpenAI's shape: id and name first, then the arguments
+                deltas.append({"tool_calls": [{"index": k, "id": e.id, "type": "function",
+                                               "function": {"name": e.name, "arguments": ""}}]})
+                deltas.append({"tool_calls": [{"index": k, "function": {"arguments": e.arguments}}]})
+                k += 1
+            elif deltas and set(deltas[-1]) <= {"role", "content"}:
+                deltas[-1]["content"] += e
+            else:
+                deltas.append({"content": e})
+        out = [self._chat_chunk(d.index, delta, lps if j == 0 else None, None, include_usage)
+               for j, delta in enumerate(deltas)]
+        if d.finish_reason is not None:
+            reason = "tool_calls" if d.finish_reason == "stop" and p.calls else d.finish_reason
+            out.append(self._chat_chunk(d.index, {}, None, reason, include_usage))
+        return out
+
+    def _chat_chunk(self, index: int, delta: dict, logprobs: Optional[dict], reason: Optional[str],
+                    include_usage: bool) -> dict:
+        body = {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                                  "finish_reason": reason}]}
+        if include_usage:
+            body["usage"] = None
+        return body
+
     def chunk(self, d: Delta, include_usage: bool) -> dict:
         first = d.index not in self._opened
         self._opened.add(d.index)
@@ -171,8 +218,9 @@ class Formatter:
             c = self.acc[i]
             text = "".join(c.text)
             if self.kind == "chat":
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": self._chat_logprobs(c.tokens), "finish_reason": c.finish_reason})
+                message, reason = self._message(text, c.finish_reason)
+                choices.append({"index": i, "message": message, "logprobs": self._chat_logprobs(c.tokens),
+                                "finish_reason": reason})
             else:
                 if self.echo_texts:
                     text = self.echo_texts[i // self.n] + text
@@ -181,6 +229,19 @@ class Formatter:
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage}
+
+
+    def _message(self, text: str, reason: Optional[str]) -> tuple[dict, Optional[str]]:
+        """A whole reply's message: its text parsed into content and tool calls."""
+        if self.tool_parser is None:
+            return {"role": "assistant", "content": text}, reason
+        p = self.tool_parser()
+        events = p.feed(text) + p.finish()
+        calls = [e.as_openai() for e in events if isinstance(e, ToolCall)]
+        message = {"role": "assistant", "content": "".join(e for e in events if isinstance(e, str)) or None}
+        if calls:
+            message["tool_calls"] = calls
+        return message, ("tool_calls" if calls and reason == "stop" else reason)
 
 
 def _native_lp(t: TokenInfo) -> Optional[dict]:

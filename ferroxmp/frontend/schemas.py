@@ -18,8 +18,9 @@ from typing import Any, Optional
 import msgspec
 
 from ferroxmp.frontend.errors import bad_param
-from ferroxmp.frontend import structured
+from ferroxmp.frontend import structured, tool_request
 from ferroxmp.frontend.fields import Fields, check_names
+from ferroxmp.frontend.tools import HERMES
 from ferroxmp.protocol import SamplingParams
 
 MAX_LOGPROBS = 20
@@ -44,13 +45,14 @@ _SAMPLING = frozenset({"temperature", "top_p", "top_k", "min_p", "seed", "freque
 _OPENAI = _SAMPLING | {"model", "max_tokens", "max_completion_tokens", "n", "stop", "stream", "stream_options",
                        "user", "cache_salt", "response_format", "regex", "ebnf"}
 COMPLETION_FIELDS = _OPENAI | {"prompt", "echo", "logprobs"}
-CHAT_FIELDS = _OPENAI | {"messages", "logprobs", "top_logprobs", "chat_template_kwargs", "add_generation_prompt"}
+CHAT_FIELDS = _OPENAI | {"messages", "logprobs", "top_logprobs", "chat_template_kwargs", "add_generation_prompt",
+                         *tool_request.TOOL_FIELDS}
 GENERATE_FIELDS = frozenset({"input_ids", "sampling_params", "stream", "cache_salt", "model"})
 GENERATE_SAMPLING_FIELDS = _SAMPLING | {"max_tokens", "logprobs"}
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 # Known OpenAI/vLLM fields this server does not implement yet -> the value that asks for nothing.
 NOT_YET = {"best_of": 1, "suffix": "",
-           "tools": [], "tool_choice": "none", "parallel_tool_calls": object(), "functions": [],
+           "functions": [],
            "function_call": "none", "store": False, "metadata": object(), "service_tier": object(),
            "modalities": ["text"], "audio": object(), "prediction": object(), "reasoning_effort": object(),
            "web_search_options": object(), "guided_json": object(), "guided_regex": object(),
@@ -71,6 +73,7 @@ class ApiRequest:
     model: Optional[str] = None
     cache_salt: str = ""  # the client's; the tenant's identity is added by the app
     chat_extra: dict = field(default_factory=dict)  # chat_template_kwargs for the template
+    tools: Optional[tool_request.ToolSpec] = None  # chat: tools, tool_choice, parallel_tool_calls
 
     @property
     def prompt_param(self) -> str:
@@ -230,17 +233,16 @@ def _message(m: Any, i: int) -> dict:
         if f.has(key):
             msg[key] = f.str(key)
     if f.has("tool_calls"):
-        calls = f.raw("tool_calls")
-        if role != "assistant" or not isinstance(calls, list) or not all(
-                isinstance(c, dict) and isinstance(c.get("function"), dict)
-                and isinstance(c["function"].get("name"), str) for c in calls):
-            raise bad_param(f.name("tool_calls"), "only an assistant message has tool_calls: a list of "
-                            "{'function': {'name', 'arguments'}} objects")
-        msg["tool_calls"] = calls
+        if role != "assistant":
+            raise bad_param(f.name("tool_calls"), "only an assistant message has tool_calls")
+        msg["tool_calls"] = tool_request.message_tool_calls(f.raw("tool_calls"), f.name("tool_calls"))
     return msg
 
 
-def parse_chat(body: Any, vocab_size: int, max_model_len: Optional[int] = None) -> ApiRequest:
+def parse_chat(body: Any, vocab_size: int, max_model_len: Optional[int] = None,
+               tool_format: str = HERMES) -> ApiRequest:
+    """`tool_format`: the model family's tool-call format (tools.format_for_template), which
+    the grammar of a required or named tool_choice follows."""
     lim = Limits(vocab_size, max_model_len)
     f = Fields(body)
     check_names(f.obj, CHAT_FIELDS, NOT_YET)
@@ -254,6 +256,10 @@ def parse_chat(body: Any, vocab_size: int, max_model_len: Optional[int] = None) 
     if top is not None and not want:
         raise bad_param("top_logprobs", "needs logprobs: true")
     req.sampling.logprobs = (top or 0) if want else None
+    grammar_field = next((n for n in structured.GRAMMAR_FIELDS if f.has(n)), None)
+    req.tools = tool_request.parse(f, req.sampling.grammar, grammar_field, req.sampling.ignore_eos)
+    if req.tools is not None and req.tools.constrains:
+        req.sampling.grammar = req.tools.grammar(tool_format)
     extra: dict = {}
     if f.has("chat_template_kwargs"):
         kw = Fields(f.raw("chat_template_kwargs"), "chat_template_kwargs.")

@@ -1,0 +1,209 @@
+"""The tool fields of a chat request: `tools`, `tool_choice`, `parallel_tool_calls` and
+the `tool_calls` of assistant messages -> a ToolSpec, or an ApiError(400) naming the field.
+
+Job: validate the shapes OpenAI defines, and for `required` or a named function build
+the grammar that makes the reply exactly tool calls (the worker masks the rest), in the
+format of the model's family:
+- hermes: `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, joined by
+  "\\n", one call or (parallel calls allowed, `required`) one or more: an EBNF built
+  with xgrammar from each function's parameters schema;
+- llama3_json: one `{"name": "f", "parameters": {...}}` object: a JSON schema.
+Either way the arguments validate against the chosen function's `parameters`.
+
+Invariants: a function name is OpenAI's `[A-Za-z0-9_-]{1,64}` and unique; a named
+choice names an offered tool; a choice other than `none` needs tools; `required` or a
+named choice cannot be combined with another grammar (response_format, regex, ebnf) or
+`ignore_eos`; a schema the grammar engine cannot compile is a 400 naming its field.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ferroxmp.frontend import structured
+from ferroxmp.frontend.errors import bad_param
+from ferroxmp.frontend.fields import Fields, check_names
+from ferroxmp.frontend.tools import HERMES, LLAMA3_JSON
+from ferroxmp.protocol import Grammar
+
+MAX_TOOLS = 128
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_CHOICES = ("none", "auto", "required")
+NO_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: omitted `parameters` = an empty list
+
+
+@dataclass
+class ToolSpec:
+    tools: list[dict]  # as the client sent them (normalised): what the template renders
+    choice: str = "auto"  # none | auto | required | named
+    named: Optional[str] = None  # the function a named choice forces
+    parallel: bool = True
+
+    @property
+    def names(self) -> frozenset:
+        return frozenset(t["function"]["name"] for t in self.tools)
+
+    @property
+    def constrains(self) -> bool:
+        return self.choice in ("required", "named")
+
+    @property
+    def parses(self) -> bool:
+        """Whether the reply is searched for calls (`none`: it is plain content)."""
+        return self.choice != "none"
+
+    @property
+    def max_calls(self) -> Optional[int]:
+        return None if self.parallel and self.choice != "named" else 1
+
+    def params(self, name: str) -> dict:
+        return next(t["function"].get("parameters") or NO_PARAMETERS for t in self.tools
+                    if t["function"]["name"] == name)
+
+    def grammar(self, fmt: str) -> Optional[Grammar]:
+        """The constraint for `required` / a named choice (None otherwise)."""
+        if not self.constrains:
+            return None
+        chosen = [self.named] if self.choice == "named" else sorted(self.names)
+        for i, t in enumerate(self.tools):  # name the schema the engine refuses
+            if t["function"]["name"] in chosen:
+                why = structured.parse_error(Grammar("json_schema", json.dumps(self.params(t["function"]["name"]))))
+                if why is not None:
+                    raise bad_param(f"tools[{i}].function.parameters",
+                                    f"not a JSON schema the grammar engine accepts: {why}")
+        schemas = json.dumps([[n, self.params(n)] for n in chosen])
+        if fmt == LLAMA3_JSON:
+            return Grammar("json_schema", json.dumps(_call_schema(json.loads(schemas), "parameters")))
+        return Grammar("ebnf", _hermes_ebnf(schemas, self.max_calls == 1))
+
+
+def _call_schema(named_params: list, key: str) -> dict:
+    calls = [{"type": "object", "properties": {"name": {"const": n}, key: p},
+              "required": ["name", key], "additionalProperties": False} for n, p in named_params]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+@functools.lru_cache(maxsize=64)
+def _hermes_ebnf(named_params_json: str, one: bool) -> str:
+    """One `<tool_call>` block, or blocks joined by "\\n", as EBNF text (the worker
+    compiles EBNF as it does a client's)."""
+    import xgrammar as xgr  # loaded on the first constrained request, as structured.py does
+    call_json = xgr.Grammar.from_json_schema(json.dumps(_call_schema(json.loads(named_params_json), "arguments")),
+                                             any_whitespace=False)
+    lit = lambda s: xgr.Grammar.from_ebnf("root ::= " + json.dumps(s))  # noqa: E731
+    block = str(xgr.Grammar.concat(lit("<tool_call>\n"), call_json, lit("\n</tool_call>")))
+    if one:
+        return block
+    blocks = {"type": "sequence", "elements": [
+        {"type": "grammar", "grammar": block},
+        {"type": "star", "content": {"type": "sequence", "elements": [
+            {"type": "const_string", "value": "\n"}, {"type": "grammar", "grammar": block}]}}]}
+    return str(xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": blocks})))
+
+
+def parse(f: Fields, grammar: Optional[Grammar], grammar_field: Optional[str], ignore_eos: bool) -> Optional[ToolSpec]:
+    """The request's ToolSpec (None: no tools), validated."""
+    tools = _tools(f)
+    choice, named = _choice(f, tools)
+    parallel = f.bool("parallel_tool_calls", True)
+    if not tools:
+        return None
+    spec = ToolSpec(tools, choice, named, parallel)
+    if spec.constrains and grammar is not None:
+        raise bad_param(f.name(grammar_field or "response_format"), f"cannot be combined with tool_choice "
+                        f"'{choice if choice != 'named' else named}': that already constrains the reply")
+    if spec.constrains and ignore_eos:
+        raise bad_param(f.name("ignore_eos"), "cannot be used with a required or named tool_choice: the "
+                        "reply must end where the tool calls do")
+    return spec
+
+
+def _tools(f: Fields) -> list[dict]:
+    raw = f.raw("tools")
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
+        raise bad_param(f.name("tools"), f"must be a list of at most {MAX_TOOLS} tools")
+    out, seen = [], set()
+    for i, t in enumerate(raw):
+        tf = Fields(t, f"tools[{i}].")
+        check_names(tf.obj, frozenset({"type", "function"}), {}, tf.prefix)
+        if tf.raw("type") != "function":
+            raise bad_param(tf.name("type"), f"{tf.raw('type')!r:.40} is not supported; only 'function'")
+        fn = Fields(tf.raw("function"), tf.name("function") + ".")
+        check_names(fn.obj, frozenset({"name", "description", "parameters", "strict"}), {}, fn.prefix)
+        name = fn.str("name", max_len=64)
+        if name is None or not _NAME.match(name):
+            raise bad_param(fn.name("name"), "is required: 1 to 64 letters, digits, '_' or '-'")
+        if name in seen:
+            raise bad_param(fn.name("name"), f"the function '{name}' is defined twice")
+        seen.add(name)
+        func: dict[str, Any] = {"name": name}
+        desc = fn.str("description", max_len=structured.MAX_SPEC_CHARS)
+        if desc is not None:
+            func["description"] = desc
+        params = fn.raw("parameters")
+        if params is not None:
+            if not isinstance(params, dict):
+                raise bad_param(fn.name("parameters"), "must be a JSON Schema object")
+            if len(json.dumps(params)) > structured.MAX_SPEC_CHARS:
+                raise bad_param(fn.name("parameters"), f"at most {structured.MAX_SPEC_CHARS} characters of JSON")
+            func["parameters"] = params
+        fn.bool("strict")  # a constrained call always follows the schema; an auto one is parsed as written
+        out.append({"type": "function", "function": func})
+    return out
+
+
+def _choice(f: Fields, tools: list[dict]) -> tuple[str, Optional[str]]:
+    raw = f.raw("tool_choice")
+    if raw is None:
+        return ("auto" if tools else "none"), None
+    if isinstance(raw, str):
+        if raw not in _CHOICES:
+            raise bad_param(f.name("tool_choice"), f"{raw!r:.40} is not one of {', '.join(_CHOICES)} or "
+                            "{'type': 'function', 'function': {'name': ...}}")
+        if raw != "none" and not tools:
+            raise bad_param(f.name("tool_choice"), f"'{raw}' needs a non-empty 'tools' list")
+        return raw, None
+    cf = Fields(raw, f.name("tool_choice") + ".")
+    check_names(cf.obj, frozenset({"type", "function"}), {}, cf.prefix)
+    if cf.raw("type") != "function":
+        raise bad_param(cf.name("type"), "must be 'function'")
+    fn = Fields(cf.raw("function"), cf.name("function") + ".")
+    check_names(fn.obj, frozenset({"name"}), {}, fn.prefix)
+    name = fn.str("name", max_len=64)
+    names = {t["function"]["name"] for t in tools}
+    if name is None or name not in names:
+        raise bad_param(fn.name("name"), f"{name!r:.70} is not one of the tools offered "
+                        f"({', '.join(sorted(names)) or 'none'})")
+    return "named", name
+
+
+def message_tool_calls(raw: Any, param: str) -> list[dict]:
+    """An assistant message's `tool_calls`, as OpenAI sends them back: arguments a JSON
+    string (an object is accepted as is)."""
+    if not isinstance(raw, list):
+        raise bad_param(param, "must be a list of {'id', 'type': 'function', 'function': {'name', 'arguments'}}")
+    out = []
+    for j, c in enumerate(raw):
+        cf = Fields(c, f"{param}[{j}].")
+        check_names(cf.obj, frozenset({"id", "type", "function", "index"}), {}, cf.prefix)
+        if cf.raw("type") not in (None, "function"):
+            raise bad_param(cf.name("type"), "must be 'function'")
+        fn = Fields(cf.raw("function"), cf.name("function") + ".")
+        check_names(fn.obj, frozenset({"name", "arguments"}), {}, fn.prefix)
+        name = fn.str("name", max_len=64)
+        if name is None:
+            raise bad_param(fn.name("name"), "is required")
+        args = fn.raw("arguments")
+        if args is not None and not isinstance(args, (str, dict)):
+            raise bad_param(fn.name("arguments"), "must be a JSON string (or an object)")
+        call: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args or "{}"}}
+        if cf.has("id"):
+            call["id"] = cf.str("id")
+        out.append(call)
+    return out

@@ -1,0 +1,461 @@
+"""Tool calls: `tools` / `tool_choice` / `parallel_tool_calls`, rendered through the chat
+template, the reply parsed into `tool_calls` (whole and streamed), `required` and named
+choices constrained by the grammar, `role: "tool"` messages accepted back.
+
+Oracles: transformers' apply_chat_template on the same template (the rendered prompt and
+its token count), jsonschema on every returned `arguments` (random weights know no JSON:
+only the grammar makes them validate), the non-streamed reply for the streamed one, and
+xgrammar's own matcher on strings that must or must not be tool calls. The checkpoint is
+the tiny random llama with a Qwen-style (Hermes `<tool_call>`) template written over its
+own.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+
+import openai
+import pytest
+import requests
+
+from ferroxmp.frontend import schemas, tool_render, tools
+from ferroxmp.frontend.errors import ApiError
+from ferroxmp.frontend.tokenizer import TextCodec
+from serverproc import serving
+
+jsonschema = pytest.importorskip("jsonschema")
+pytestmark = pytest.mark.timeout(300)
+
+# A Qwen2.5-style template: tools in the system turn, calls as <tool_call> JSON, results
+# as <tool_response> user turns.
+QWEN_TOOLS_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- '\\n\\n# Tools\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'user' or message.role == 'system' "
+    "or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+LLAMA3_TEMPLATE_BIT = ("{%- if message.role == 'ipython' %}{{- '<|start_header_id|>ipython<|end_header_id|>' }}"
+                       "{%- endif %}{{- '<|eot_id|>' }}")
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                   "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                                                   "b": {"type": "integer", "minimum": -1000, "maximum": 1000}},
+                   "required": ["a", "b"], "additionalProperties": False}}}
+TOOLS = [WEATHER, ADD]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+NAMES = frozenset(PARAMS)
+USER = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
+CHAT = {"model": "tools", "messages": USER, "tools": TOOLS, "max_tokens": 600}
+FLAGS = ("--page-size", "4", "--kv-pages", "4096", "--max-running-requests", "16")
+
+
+# ---- parsing: the Hermes / Qwen format ---------------------------------------------------
+
+def hermes(name: str, args: dict) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+
+def test_one_hermes_call_becomes_a_tool_call_with_a_json_string_and_no_content():
+    out = tools.parse(hermes("add", {"a": 1, "b": 2}), tools.HERMES, NAMES)
+    assert out.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("add", {"a": 1, "b": 2})]
+    assert out.calls[0].id.startswith("call_") and len(out.calls[0].id) > 10
+
+
+def test_several_calls_and_the_text_before_them_are_all_kept_in_order():
+    text = "Let me check.\n" + hermes("get_weather", {"city": "Paris", "unit": "c"}) + "\n" + hermes("add", {"a": 2, "b": 3})
+    out = tools.parse(text, tools.HERMES, NAMES)
+    assert out.content == "Let me check."
+    assert [c.name for c in out.calls] == ["get_weather", "add"]
+    assert len({c.id for c in out.calls}) == 2
+
+
+@pytest.mark.parametrize("body", ['{"name": "add", "arguments": {"a": 1,', "not json at all",
+                                  '{"name": "launch_missiles", "arguments": {}}', '{"name": "add", "arguments": [1, 2]}',
+                                  '["add", {"a": 1}]', '{"name": "add", "arguments": {"a": NaN, "b": 1}}'])
+def test_a_malformed_or_unknown_call_stays_in_the_content_verbatim(body):
+    """Broken JSON, a function nobody offered, arguments that are not an object: content."""
+    text = "Hm. <tool_call>\n" + body + "\n</tool_call> ok"
+    out = tools.parse(text, tools.HERMES, NAMES)
+    assert out.calls == [] and out.content == text
+
+
+def test_an_unclosed_call_at_the_end_is_content():
+    """Cut by max_tokens: what the model wrote is returned, not a half call."""
+    text = "x <tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2}}"
+    out = tools.parse(text, tools.HERMES, NAMES)
+    assert out.calls == [] and out.content == text
+
+
+def test_raw_control_characters_in_a_string_come_back_escaped():
+    """The grammar's JSON strings admit raw control bytes; the client gets valid JSON."""
+    out = tools.parse('<tool_call>\n{"name": "get_weather", "arguments": {"city": "a\x01b", "unit": "c"}}\n</tool_call>',
+                      tools.HERMES, NAMES)
+    assert json.loads(out.calls[0].arguments) == {"city": "a\x01b", "unit": "c"}
+
+
+def test_parallel_tool_calls_false_keeps_only_the_first_call():
+    text = hermes("add", {"a": 1, "b": 1}) + "\n" + hermes("add", {"a": 2, "b": 2})
+    out = tools.parse(text, tools.HERMES, NAMES, max_calls=1)
+    assert [json.loads(c.arguments) for c in out.calls] == [{"a": 1, "b": 1}] and out.content is None
+
+
+TEXTS = ["Sure! " + hermes("add", {"a": 1, "b": 2}) + "\n\n" + hermes("get_weather", {"city": "Nice", "unit": "f"}) + " done",
+         "<tool_<tool_call> nope </tool_call> " + hermes("add", {"a": 5, "b": 6}) + "<tool_cal",
+         "plain reply with a < sign and <tool but no call   ",
+         "  \n" + hermes("add", {"a": 1, "b": 2}) + "\n"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("fmt", [tools.HERMES, tools.LLAMA3_JSON])
+def test_any_split_of_a_reply_streams_to_the_same_content_and_calls(text, fmt):
+    """Chunking invariance: what a stream delivers (content deltas joined, calls in order)
+    equals the whole reply parsed at once, for 60 random splits."""
+    if fmt == tools.LLAMA3_JSON:
+        text = text.replace(hermes("add", {"a": 1, "b": 2}), '{"name": "add", "parameters": {"a": 1, "b": 2}}')
+    whole = tools.parse(text, fmt, NAMES)
+    rng = random.Random(7)
+    for _ in range(60):
+        p, events, i = tools.ToolParser(fmt, NAMES), [], 0
+        while i < len(text):
+            k = rng.randint(1, 9)
+            events += p.feed(text[i:i + k])
+            i += k
+        events += p.finish()
+        content = "".join(e for e in events if isinstance(e, str)) or None
+        assert content == whole.content
+        assert [(e.name, e.arguments) for e in events if isinstance(e, tools.ToolCall)] == \
+               [(c.name, c.arguments) for c in whole.calls]
+
+
+def test_text_that_may_open_a_call_is_held_back_until_decided():
+    p = tools.ToolParser(tools.HERMES, NAMES)
+    assert p.feed("Hello <tool") == ["Hello"]  # the space waits too: it touches a possible call
+    assert p.feed("box>") == [" <toolbox>"]
+
+
+# ---- parsing: the Llama 3 JSON format ------------------------------------------------------
+
+@pytest.mark.parametrize("prefix", ["", "<|python_tag|>", "  "])
+def test_a_llama3_json_reply_is_one_call(prefix):
+    out = tools.parse(prefix + '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "c"}}',
+                      tools.LLAMA3_JSON, NAMES)
+    assert out.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("get_weather", {"city": "Rome", "unit": "c"})]
+
+
+@pytest.mark.parametrize("text", ['{"name": "get_weather", "parameters": {"city": ', "It is sunny.",
+                                  '{"answer": 42}', 'The call: {"name": "add", "parameters": {"a": 1, "b": 2}}'])
+def test_a_llama3_reply_that_is_not_exactly_a_call_is_content(text):
+    out = tools.parse(text, tools.LLAMA3_JSON, NAMES)
+    assert out.calls == [] and out.content == text
+
+
+def test_the_format_follows_the_template_family():
+    assert tools.format_for_template(QWEN_TOOLS_TEMPLATE) == tools.HERMES
+    assert tools.format_for_template(LLAMA3_TEMPLATE_BIT) == tools.LLAMA3_JSON
+    assert tools.format_for_template(None) == tools.HERMES
+
+
+# ---- validation ----------------------------------------------------------------------------
+
+BAD = [
+    ({"tools": {"type": "function"}}, "tools"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools[0].type"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "bad name!"}}]}, "tools[1].function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "object"}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "params": {}}}]}, "tools[0].function.params"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tool_choice": {"type": "tool", "function": {"name": "add"}}}, "tool_choice.type"),
+    ({"tools": None, "tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": {"type": "function", "function": {"name": "add"}}, "regex": "a+"}, "regex"),
+    ({"tool_choice": "required", "ignore_eos": True}, "ignore_eos"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}}]},
+     "tools[0].function.parameters"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": {"arguments": "{}"}}]}]},
+     "messages[0].tool_calls[0].function.name"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+]
+
+
+@pytest.mark.parametrize("change,param", BAD, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD)])
+def test_a_bad_tool_field_is_a_400_naming_it(change, param):
+    with pytest.raises(ApiError) as e:
+        schemas.parse_chat({**CHAT, **change}, 1000)
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+def test_tool_choice_none_and_empty_tools_ask_for_nothing():
+    assert schemas.parse_chat({**CHAT, "tools": [], "tool_choice": "none"}, 1000).tools is None
+    req = schemas.parse_chat({**CHAT, "tool_choice": "none"}, 1000)
+    assert req.tools.choice == "none" and not req.tools.parses and req.sampling.grammar is None
+
+
+# ---- the grammar of required and named choices ---------------------------------------------
+
+def _matcher(grammar):
+    import xgrammar as xgr
+    info = xgr.TokenizerInfo([bytes([b]) for b in range(256)], xgr.VocabType.RAW, vocab_size=257, stop_token_ids=[256])
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    compiled = (compiler.compile_grammar(grammar.spec) if grammar.kind == "ebnf"
+                else compiler.compile_json_schema(grammar.spec, any_whitespace=False))
+    return xgr.GrammarMatcher(compiled)
+
+
+def _accepts(grammar, text: str) -> bool:
+    m = _matcher(grammar)
+    return m.accept_string(text) and m.is_completed()
+
+
+@pytest.mark.parametrize("choice,parallel,text,ok", [
+    ("required", True, hermes("add", {"a": 1, "b": -2}), True),
+    ("required", True, hermes("add", {"a": 1, "b": 2}) + "\n" + hermes("get_weather", {"city": "Oslo", "unit": "c"}), True),
+    ("required", False, hermes("add", {"a": 1, "b": 2}) + "\n" + hermes("add", {"a": 1, "b": 2}), False),
+    ("required", True, hermes("add", {"a": 1, "b": 2000}), False),  # maximum 1000
+    ("required", True, hermes("add", {"a": 1}), False),  # b is required
+    ("required", True, hermes("mul", {"a": 1, "b": 2}), False),
+    ("required", True, "Sure. " + hermes("add", {"a": 1, "b": 2}), False),
+    ("required", True, "", False),
+    ("add", True, hermes("add", {"a": 3, "b": 4}), True),
+    ("add", True, hermes("get_weather", {"city": "Oslo", "unit": "c"}), False),
+    ("add", True, hermes("add", {"a": 3, "b": 4}) + "\n" + hermes("add", {"a": 3, "b": 4}), False),
+])
+def test_the_hermes_grammar_admits_exactly_tool_calls_that_fit_the_schemas(choice, parallel, text, ok):
+    tc = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+    req = schemas.parse_chat({**CHAT, "tool_choice": tc, "parallel_tool_calls": parallel}, 1000, tool_format=tools.HERMES)
+    assert _accepts(req.sampling.grammar, text) is ok
+
+
+def test_the_llama3_grammar_is_one_json_call_with_parameters():
+    req = schemas.parse_chat({**CHAT, "tool_choice": "required"}, 1000, tool_format=tools.LLAMA3_JSON)
+    assert _accepts(req.sampling.grammar, '{"name": "add", "parameters": {"a": 1, "b": 2}}')
+    assert not _accepts(req.sampling.grammar, '{"name": "add", "arguments": {"a": 1, "b": 2}}')
+
+
+# ---- rendering, against transformers -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tools_model(tiny_models, tmp_path_factory) -> str:
+    """The tiny llama with a Qwen-style tools template (chat_template.jinja wins over the config's)."""
+    path = str(tmp_path_factory.mktemp("tools_model") / "tools")
+    shutil.copytree(tiny_models["llama"], path)
+    with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(QWEN_TOOLS_TEMPLATE)
+    return path
+
+
+ROUND = USER + [
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, cloudy"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "5"}]
+
+
+def _oracle(path: str, messages: list, tools_list) -> str:
+    """transformers' rendering; assistant arguments as objects, as its docs ask."""
+    from transformers import AutoTokenizer
+    msgs = json.loads(json.dumps(messages))
+    for m in msgs:
+        for c in m.get("tool_calls") or []:
+            c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+    return AutoTokenizer.from_pretrained(path).apply_chat_template(msgs, tools=tools_list, tokenize=False,
+                                                                   add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("messages", [USER, ROUND], ids=["first-turn", "with-results"])
+def test_the_prompt_with_tools_renders_as_transformers_does(tools_model, messages):
+    req = schemas.parse_chat({**CHAT, "messages": messages}, 1000)
+    msgs, tool_list = tool_render.template_inputs(req.prompts[0], req.tools, reads_tools=True)
+    ours = TextCodec(tools_model).render_chat(msgs, tools=tool_list)
+    assert ours == _oracle(tools_model, messages, TOOLS)
+    assert json.dumps(WEATHER) in ours and json.dumps(ADD) in ours
+    assert ("<tool_response>\n18 C, cloudy\n</tool_response>" in ours) == (messages is ROUND)
+
+
+def test_a_template_without_tools_gets_the_hermes_fallback_block(tiny_models):
+    """The tiny default template renders only role and content: the tools, the calls and
+    the results must still reach the prompt as text."""
+    codec = TextCodec(tiny_models["llama"])
+    req = schemas.parse_chat({**CHAT, "messages": ROUND}, 1000)
+    msgs, tool_list = tool_render.template_inputs(req.prompts[0], req.tools, reads_tools=False)
+    text = codec.render_chat(msgs, tools=tool_list)
+    assert tool_list is None and text.startswith("<|im_start|>system\n# Tools")
+    for t in TOOLS:
+        assert json.dumps(t) in text
+    assert hermes("get_weather", {"city": "Paris", "unit": "c"}) in text
+    assert "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>" in text
+
+
+# ---- over HTTP -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def srv(tools_model):
+    with serving(tools_model, "--served-model-name", "tools", *FLAGS) as s:
+        yield s
+
+
+def post(srv, body, **kw):
+    return requests.post(srv.url + "/v1/chat/completions", json=body, headers=srv.headers, timeout=240, **kw)
+
+
+def check_calls(calls, allowed=NAMES):
+    assert calls, "no tool call"
+    for c in calls:
+        assert c["type"] == "function" and c["id"].startswith("call_")
+        assert c["function"]["name"] in allowed
+        jsonschema.validate(json.loads(c["function"]["arguments"]), PARAMS[c["function"]["name"]])
+
+
+@pytest.mark.parametrize("temperature,seed,parallel", [(0.0, None, False), (1.0, 1, True), (1.0, 2, True),
+                                                       (1.0, 3, False)])
+def test_required_gives_tool_calls_whose_arguments_validate(srv, temperature, seed, parallel):
+    """Greedy runs with parallel_tool_calls false: random greedy weights would choose
+    another call after each one until max_tokens (the grammar allows one or more)."""
+    r = post(srv, {**CHAT, "tool_choice": "required", "temperature": temperature, "seed": seed, "n": 2,
+                   "parallel_tool_calls": parallel})
+    assert r.status_code == 200, r.text
+    for ch in r.json()["choices"]:
+        assert ch["finish_reason"] == "tool_calls", ch
+        assert ch["message"]["content"] is None
+        check_calls(ch["message"]["tool_calls"])
+        if not parallel:
+            assert len(ch["message"]["tool_calls"]) == 1
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 4)])
+def test_a_named_choice_calls_exactly_that_function_once(srv, temperature, seed):
+    r = post(srv, {**CHAT, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                   "temperature": temperature, "seed": seed})
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    assert ch["finish_reason"] == "tool_calls"
+    assert len(ch["message"]["tool_calls"]) == 1
+    check_calls(ch["message"]["tool_calls"], {"get_weather"})
+
+
+def _streamed(srv, body) -> tuple:
+    """(content or None, [(name, arguments)], finish_reason) reassembled from SSE deltas."""
+    content, calls, reason = "", {}, None
+    with post(srv, {**body, "stream": True}, stream=True) as r:
+        assert r.status_code == 200, r.text
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            ch = json.loads(line[6:])["choices"][0]
+            d = ch["delta"]
+            content += d.get("content") or ""
+            for tc in d.get("tool_calls") or []:
+                slot = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+                if "id" in tc:  # the name comes first, with the id
+                    assert tc["id"].startswith("call_") and not slot["name"]
+                slot["name"] += tc.get("function", {}).get("name") or ""
+                slot["arguments"] += tc.get("function", {}).get("arguments") or ""
+            reason = ch.get("finish_reason") or reason
+    return content or None, [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("change", [
+    {"tool_choice": "required", "temperature": 1.0, "seed": 11},
+    {"tool_choice": {"type": "function", "function": {"name": "add"}}, "temperature": 1.0, "seed": 12},
+    # auto, with the client's own grammar forcing text + a call: the parser, not the tool grammar
+    {"tool_choice": "auto", "temperature": 1.0, "seed": 13,
+     "ebnf": 'root ::= "Checking.\\n" ' + json.dumps(hermes("add", {"a": 2, "b": 3}))},
+])
+def test_streamed_deltas_reassemble_to_the_non_streamed_reply(srv, change):
+    whole = post(srv, {**CHAT, **change}).json()["choices"][0]
+    content, calls, reason = _streamed(srv, {**CHAT, **change})
+    assert content == whole["message"]["content"]
+    assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+    assert reason == whole["finish_reason"] == "tool_calls"
+
+
+def test_auto_parses_a_call_the_model_writes_and_keeps_the_text_before_it(srv):
+    r = post(srv, {**CHAT, "ebnf": 'root ::= "Checking.\\n" ' + json.dumps(hermes("add", {"a": 2, "b": 3}))})
+    ch = r.json()["choices"][0]
+    assert ch["message"]["content"] == "Checking."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in ch["message"]["tool_calls"]] \
+        == [("add", {"a": 2, "b": 3})]
+
+
+def test_tool_choice_none_yields_no_tool_calls_even_when_the_text_is_one(srv):
+    """none: the reply is content, whatever it looks like."""
+    text = hermes("add", {"a": 2, "b": 3})
+    r = post(srv, {**CHAT, "tool_choice": "none", "ebnf": "root ::= " + json.dumps(text)})
+    ch = r.json()["choices"][0]
+    assert "tool_calls" not in ch["message"] and ch["message"]["content"] == text
+    assert ch["finish_reason"] == "stop"
+    r = post(srv, {**CHAT, "tool_choice": "none", "max_tokens": 30, "temperature": 1.0, "seed": 3})
+    assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"]
+
+
+def test_the_server_renders_the_prompt_transformers_renders(srv, tools_model):
+    """usage.prompt_tokens equals the token count of transformers' rendering, with the tool
+    definitions and a full round of calls and results."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tools_model)
+    want = len(tok(_oracle(tools_model, ROUND, TOOLS), add_special_tokens=False)["input_ids"])
+    r = post(srv, {**CHAT, "messages": ROUND, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == want
+
+
+def test_a_bad_tool_request_is_a_400_and_the_server_still_answers(srv):
+    r = post(srv, {**CHAT, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.function.name"
+    r = post(srv, {**CHAT, "tool_choice": "required", "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    assert post(srv, {**CHAT, "max_tokens": 3}).status_code == 200
+
+
+def test_the_openai_sdk_round_trip_ends_in_an_answer(srv):
+    """request with tools -> tool_calls -> the assistant message and a tool message back ->
+    a final answer, all through the openai SDK's own types."""
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    first = client.chat.completions.create(model="tools", messages=USER, tools=TOOLS, tool_choice="required",
+                                           max_tokens=600, temperature=1.0, seed=21)
+    msg = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls" and msg.tool_calls
+    check_calls([c.model_dump() for c in msg.tool_calls])
+    results = [{"role": "tool", "tool_call_id": c.id, "content": json.dumps({"ok": True, "call": c.function.name})}
+               for c in msg.tool_calls]
+    final = client.chat.completions.create(model="tools", messages=USER + [msg] + results, tools=TOOLS,
+                                           max_tokens=20, temperature=1.0, seed=22)
+    assert final.choices[0].finish_reason in ("stop", "length")
+    assert final.usage.prompt_tokens > first.usage.prompt_tokens
