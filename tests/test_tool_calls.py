@@ -459,3 +459,60 @@ def test_the_openai_sdk_round_trip_ends_in_an_answer(srv):
                                            max_tokens=20, temperature=1.0, seed=22)
     assert final.choices[0].finish_reason in ("stop", "length")
     assert final.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+# ---- a Llama 3 style template: the JSON format, end to end ---------------------------------
+
+LLAMA3_TOOLS_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' and loop.first and tools %}"
+    "{{- '<|start_header_id|>user<|end_header_id|>\\n\\nGiven the following functions, respond with a JSON "
+    "for a function call with its proper arguments.\\n\\n' }}"
+    "{%- for t in tools %}{{- t | tojson }}{{- '\\n\\n' }}{%- endfor %}{{- message.content + '<|eot_id|>' }}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- for c in message.tool_calls %}"
+    "{{- '{\"name\": \"' + c.function.name + '\", \"parameters\": ' + c.function.arguments | tojson + '}' }}"
+    "{%- endfor %}{{- '<|eot_id|>' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}"
+    "{%- else %}{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def llama3_srv(tiny_models, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("llama3_tools") / "llama3tools")
+    shutil.copytree(tiny_models["llama"], path)
+    with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(LLAMA3_TOOLS_TEMPLATE)
+    with serving(path, "--served-model-name", "tools", *FLAGS) as s:
+        s.model_path = path
+        yield s
+
+
+def test_a_llama3_template_gets_one_json_call_whose_arguments_validate(llama3_srv):
+    """The format is read from the template (`<|eot_id|>`, `ipython`): the grammar is one
+    `{"name", "parameters"}` object and the parser reads it back."""
+    assert tools.format_for_template(LLAMA3_TOOLS_TEMPLATE) == tools.LLAMA3_JSON
+    body = {**CHAT, "tool_choice": "required", "temperature": 1.0, "seed": 5, "n": 2}
+    r = post(llama3_srv, body)
+    assert r.status_code == 200, r.text
+    for ch in r.json()["choices"]:
+        assert ch["finish_reason"] == "tool_calls" and ch["message"]["content"] is None, ch
+        assert len(ch["message"]["tool_calls"]) == 1
+        check_calls(ch["message"]["tool_calls"])
+    content, calls, reason = _streamed(llama3_srv, {**body, "n": 1})
+    whole = r.json()["choices"][0]["message"]
+    assert (content, reason) == (None, "tool_calls")
+    assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]]
+
+
+def test_a_llama3_round_renders_as_transformers_does(llama3_srv):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(llama3_srv.model_path)
+    want = len(tok(_oracle(llama3_srv.model_path, ROUND, TOOLS), add_special_tokens=False)["input_ids"])
+    r = post(llama3_srv, {**CHAT, "messages": ROUND, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == want
