@@ -492,6 +492,20 @@ def llama3_srv(tiny_models, tmp_path_factory):
         yield s
 
 
+def test_the_openai_sdk_stream_helper_assembles_the_same_tool_calls(srv):
+    """The SDK's own accumulator (`chat.completions.stream`) reads our deltas into the
+    message the non-streamed reply gives for the same seed."""
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    kw = dict(model="tools", messages=USER, tools=TOOLS, tool_choice="required", max_tokens=600,
+              temperature=1.0, seed=31)
+    whole = client.chat.completions.create(**kw).choices[0]
+    with client.chat.completions.stream(**kw) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == whole.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == \
+           [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
 def test_a_llama3_template_gets_one_json_call_whose_arguments_validate(llama3_srv):
     """The format is read from the template (`<|eot_id|>`, `ipython`): the grammar is one
     `{"name", "parameters"}` object and the parser reads it back."""
