@@ -110,3 +110,83 @@ def test_a_position_beyond_the_page_table_is_a_plan_error():
         plan_step([(1, 15, 2)], table, PS, 8, None)
     with pytest.raises(PlanError):
         plan_step([(1, 0, 1)], table * 0 + 8, PS, 8, None)  # page == num_pages
+
+
+def _pool_and_backend(seed, num_pages=80, pages_per_row=10, rows=6):
+    g = torch.Generator().manual_seed(seed)
+    kv = KVPool(num_pages, PS, 1, KVH, D, torch.float32, CPU, "hnd")
+    kv.slots_view(0, "k").copy_(torch.randn(num_pages * PS, KVH, D, generator=g))
+    kv.slots_view(0, "v").copy_(torch.randn(num_pages * PS, KVH, D, generator=g))
+    table = np.random.default_rng(seed).permutation(num_pages)[:rows * pages_per_row]
+    return kv, table.reshape(rows, pages_per_row).astype(np.int32), make_backend(kv, None, CPU, "torch", num_heads=H), g
+
+
+def _step(backend, kv, table, steps, g):
+    """One step through the backend; (output, reference over the pool), both in step order."""
+    T = sum(n for _, _, n in steps)
+    q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, KVH, KVH))
+    plan = backend.plan(steps, table)
+    starts = np.cumsum([0] + [n for _, _, n in steps])
+    perm = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in plan.order])
+    out = torch.empty(T, H, D)
+    out[perm] = backend.forward(0, q[perm], k[perm], v[perm])
+    return out, reference_attention(q, kv.slots_view(0, "k"), kv.slots_view(0, "v"), steps, table, PS, None)
+
+
+def test_decode_rows_read_from_the_mirror_match_the_reference_step_after_step():
+    """The decode mirror keeps rows' K/V between steps: rows decode, one leaves, the order
+    changes, a row runs a chunk and comes back, a row joins after its prefill. Every step
+    must equal the reference read from the pool (a mirror that missed a write, kept a
+    stale row or mixed up slots reads other K/V)."""
+    kv, table, be, g = _pool_and_backend(7)
+    script = [[(0, 5, 1), (1, 9, 1), (2, 14, 1)],
+              [(0, 6, 1), (1, 10, 1), (2, 15, 1)],
+              [(2, 16, 1), (0, 7, 1), (3, 0, 6)],  # row 1 absent, row 3 prefills
+              [(1, 11, 3), (0, 8, 1), (3, 6, 1), (2, 17, 1)],  # row 1 chunk, row 3 joins
+              [(1, 14, 1), (2, 18, 1), (3, 7, 1), (0, 9, 1), (4, 30, 1)]]
+    for steps in script:
+        out, ref = _step(be, kv, table, steps, g)
+        assert be.decode.pages is None, "the decode rows must have been read from the mirror"
+        assert torch.allclose(out.double(), ref, atol=1e-5), (steps, (out.double() - ref).abs().max())
+        be.mirror.check_integrity()
+        assert sorted(be.mirror.rows) == sorted(r for r, _, n in steps if n == 1)
+
+
+def test_a_new_request_in_a_slot_is_not_read_from_the_old_requests_mirror():
+    """Slot 0 gets a new request with other pages that reaches the same length: after
+    forget() (the runner calls it for every NewRow) it is read from its own pages. The
+    same step without forget() reads the old request's K/V: proof the test can fail."""
+    outs = {}
+    for forget in (True, False):
+        kv, table, be, g = _pool_and_backend(11)
+        for start in (8, 9):
+            _step(be, kv, table, [(0, start, 1), (1, 3, 1)], g)
+        table[0] = table[5]  # a new request, other pages, 10 tokens known: decodes at 10
+        if forget:
+            be.forget(0)
+        outs[forget] = _step(be, kv, table, [(0, 10, 1), (1, 4, 1)], g)
+    out, ref = outs[True]
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+    out, ref = outs[False]
+    assert not torch.allclose(out[0].double(), ref[0], atol=1e-3)
+
+
+def test_decode_over_the_mirror_budget_gathers_from_the_pool_and_matches():
+    kv, table, be, g = _pool_and_backend(3)
+    be.mirror.budget_bytes = 1  # nothing fits
+    out, ref = _step(be, kv, table, [(0, 5, 1), (1, 30, 1), (2, 0, 5)], g)
+    assert be.decode.pages is not None and not be.mirror.rows
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+
+
+def test_the_mirror_and_the_gather_give_the_same_bits():
+    """Same K/V, same span, same SDPA call: reading the mirror instead of gathering the
+    pages must not change a bit (warm == cold and batched == solo rely on it)."""
+    results = []
+    for budget in (None, 1):
+        kv, table, be, g = _pool_and_backend(5)
+        if budget:
+            be.mirror.budget_bytes = budget
+        outs = [_step(be, kv, table, [(r, 4 * r + i + 2, 1) for r in range(5)], g)[0] for i in range(3)]
+        results.append(torch.stack(outs))
+    assert torch.equal(results[0], results[1])

@@ -149,6 +149,12 @@ class AttentionBackend:
         """Backend-specific tensors for this step (device copies, kernel plans)."""
         raise NotImplementedError
 
+    def forget(self, row: int) -> None:
+        """The row slot holds a new request (a NewRow): drop anything kept for it between steps."""
+
+    def reset(self) -> None:
+        """A forward failed part-way: drop everything kept between steps."""
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
