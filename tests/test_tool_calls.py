@@ -436,6 +436,16 @@ def test_the_server_renders_the_prompt_transformers_renders(srv, tools_model):
     assert r.json()["usage"]["prompt_tokens"] == want
 
 
+def test_tokenize_with_tools_gives_transformers_ids_and_the_chat_usage_count(srv, tools_model):
+    """/tokenize renders messages and tools exactly as chat completions does."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tools_model)
+    want = tok(_oracle(tools_model, ROUND, TOOLS), add_special_tokens=False)["input_ids"]
+    r = requests.post(srv.url + "/tokenize", json={"messages": ROUND, "tools": TOOLS}, headers=srv.headers, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == want
+
+
 def test_a_bad_tool_request_is_a_400_and_the_server_still_answers(srv):
     r = post(srv, {**CHAT, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.function.name"

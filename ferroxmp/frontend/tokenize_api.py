@@ -1,7 +1,7 @@
 """POST /tokenize and /detokenize in vLLM's shapes.
 
     /tokenize    {"prompt": str, "add_special_tokens"?: bool=true}
-                 or {"messages": [...], "add_generation_prompt"?, "chat_template_kwargs"?}
+                 or {"messages": [...], "tools"?, "add_generation_prompt"?, "chat_template_kwargs"?}
                  -> {"tokens": [int], "count": int, "max_model_len": int}
     /detokenize  {"tokens": [int]} -> {"prompt": str}
 
@@ -17,13 +17,13 @@ from typing import Any
 
 import jinja2
 
-from ferroxmp.frontend import schemas
+from ferroxmp.frontend import schemas, tool_render
 from ferroxmp.frontend.errors import bad_param
 from ferroxmp.frontend.fields import Fields, check_names
 from ferroxmp.frontend.prompts import PromptEncoder
 
 PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens"})
-CHAT_FIELDS = frozenset({"model", "messages", "add_generation_prompt", "chat_template_kwargs"})
+CHAT_FIELDS = frozenset({"model", "messages", "add_generation_prompt", "chat_template_kwargs", "tools"})
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 
@@ -33,8 +33,9 @@ def tokenize(body: Any, encoder: PromptEncoder, vocab_size: int, max_model_len: 
     if f.has("messages"):
         check_names(f.obj, CHAT_FIELDS, {})
         req = schemas.parse_chat(body, vocab_size, max_model_len)
+        messages, tools = tool_render.template_inputs(req.prompts[0], req.tools, encoder.reads_tools)
         try:
-            ids = encoder.encode_chat(req.prompts[0], req.chat_extra)
+            ids = encoder.encode_chat(messages, req.chat_extra, tools=tools)
         except (jinja2.TemplateError, TypeError, ValueError) as e:
             raise bad_param("messages", f"the chat template refused these messages: {e}") from None
     else:
