@@ -217,3 +217,4 @@ def build_model(model_path: str, cfg: ModelConfig, device: torch.device, tp: TPG
     model.gather_vocab = lambda x: tp.gather_vocab(x, cfg.vocab_size)
     model.embed_ids = lambda ids: tp.embed(ids, model.embed, lo, hi)
     return model, shard.local_config
+

@@ -12,7 +12,9 @@ would need the same sampled tokens, failed rows and grammar refusals everywhere,
 difference would make the ranks call different collectives: a hang.)
 
 Messages (int64 arrays over the gloo group; one broadcast when a message fits CAP words):
-- STEP [R, T, with_pages] + (row, start, length) x R in internal order + T token ids,
+- STEP [R, T, with_pages, F] + (row, start, length) x R in internal order + T token ids
+  + F rows whose slot rank 0's attention backend was told to forget since the last STEP
+  (a new request in the slot: backends may keep a row's K/V between steps)
   + when the group spans nodes: each row's first page index, page count, and the pages.
   Ranks on node 0 read page lists from the shared-memory page table like rank 0 (the
   entries a step reads do not change while it is in flight); ranks on other nodes have
@@ -83,28 +85,30 @@ class Channel:
         return kind, out
 
 
-def encode_step(plan: StepPlan, ids: np.ndarray, with_pages: bool) -> np.ndarray:
-    parts = [np.array([len(plan.rows), len(ids), int(with_pages)], np.int64),
-             np.stack([plan.rows, plan.starts, plan.lengths], 1).ravel(), ids]
+def encode_step(plan: StepPlan, ids: np.ndarray, with_pages: bool, forgotten: list[int]) -> np.ndarray:
+    parts = [np.array([len(plan.rows), len(ids), int(with_pages), len(forgotten)], np.int64),
+             np.stack([plan.rows, plan.starts, plan.lengths], 1).ravel(), ids, np.array(forgotten, np.int64)]
     if with_pages:
         parts += [plan.first_page, np.diff(plan.kv_indptr), plan.kv_pages]
     return np.concatenate([np.asarray(p, np.int64) for p in parts])
 
 
 def decode_step(data: np.ndarray, table_shape: tuple[int, int]):
-    """-> (triples, ids, table or None): the table holds exactly the entries the step reads."""
-    R, T, with_pages = (int(x) for x in data[:3])
-    triples = [tuple(t) for t in data[3:3 + 3 * R].reshape(R, 3).tolist()]
-    ids = data[3 + 3 * R:3 + 3 * R + T]
+    """-> (triples, ids, forgotten rows, table or None): the table holds exactly the
+    entries the step reads."""
+    R, T, with_pages, F = (int(x) for x in data[:4])
+    at = 4 + 3 * R
+    triples = [tuple(t) for t in data[4:at].reshape(R, 3).tolist()]
+    ids, forgotten = data[at:at + T], data[at + T:at + T + F].tolist()
     if not with_pages:
-        return triples, ids, None
-    rest = data[3 + 3 * R + T:]
+        return triples, ids, forgotten, None
+    rest = data[at + T + F:]
     first, count, pages = rest[:R], rest[R:2 * R], rest[2 * R:]
     row_of = np.repeat(np.arange(R), count)
     col = first[row_of] + np.arange(len(pages)) - np.repeat(np.cumsum(count) - count, count)
     table = np.zeros(table_shape, np.int32)
     table[np.array([t[0] for t in triples])[row_of], col] = pages
-    return triples, ids, table
+    return triples, ids, forgotten, table
 
 
 def rank_device(name: str, local_rank: int) -> torch.device:
@@ -138,13 +142,26 @@ class Leader:
         self.channel = Channel(tp)
         self.with_pages = tp.nnodes > 1
         self.busy = False  # a step began and the worker has not yet called done()
+        self.forgotten: list[int] = []  # rows rank 0's backend forgot since the last STEP
+
+    def attach(self, attn) -> None:
+        """Record every `forget(row)` the runner makes on rank 0's attention backend (the
+        followers' backends must forget the same rows), then wait until every rank loaded."""
+        forget = attn.forget
+
+        def forget_everywhere(row: int) -> None:
+            self.forgotten.append(int(row))
+            forget(row)
+        attn.forget = forget_everywhere  # an instance attribute: this backend object only
+        self.tp.barrier()
 
     def build_model(self, model_path: str, cfg: ModelConfig, device: torch.device):
         return build_model(model_path, cfg, device, self.tp)
 
     def send_step(self, plan: StepPlan, ids: np.ndarray) -> None:
         self.busy = True
-        self.channel.send(STEP, encode_step(plan, ids, self.with_pages))
+        self.channel.send(STEP, encode_step(plan, ids, self.with_pages, self.forgotten))
+        self.forgotten = []
 
     def send_logits(self, index) -> None:
         if isinstance(index, slice):
@@ -178,7 +195,9 @@ def follow(channel: Channel, model, attn, pool: Optional[PagePool], table_shape:
         while True:
             kind, data = channel.recv()
             if kind == STEP:
-                triples, ids, table = decode_step(data, table_shape)
+                triples, ids, forgotten, table = decode_step(data, table_shape)
+                for row in forgotten:
+                    attn.forget(row)
                 plan = attn.plan(triples, pool.page_table if table is None else table)
                 hidden = model.forward(to_dev(ids), to_dev(plan.positions), attn)
             elif kind == LOGITS:

@@ -93,7 +93,7 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
         runner = ModelRunner(model_path, pool, sa.page_size, device=sa.device, dtype=sa.dtype, tp=leader,
                              deterministic=sa.deterministic)
         if leader is not None:
-            leader.tp.barrier()  # every rank has loaded its shard (and may attach the pool)
+            leader.attach(runner.attn)  # waits until every rank loaded its shard (then they attach the pool)
         runner.faults = faults.from_env()
         ends = protocol.endpoints(run_dir)
         ctx = zmq.Context()
