@@ -129,6 +129,28 @@ class CacheMachine(RuleBasedStateMachine):
         self._write(req)
 
     @precondition(lambda self: self.rows)
+    @rule(token=st.integers(0, 2))
+    def decode_in_bulk(self, token):
+        """Every row whose next position starts a page asks for it in one `grow`: all
+        get a page or none does (and then nothing but eviction happened)."""
+        boundary = [r for r in self.rows if r.known_len >= len(r.cache.pages) * PS]
+        if not boundary:
+            return
+        pages_before = [list(r.cache.pages) for r in boundary]
+        free_before = self.pool.free_count + self.cache.tree.evictable_pages
+        ok = self.cache.grow([r.cache for r in boundary])
+        self._sync_after_evict()
+        assert ok == (free_before >= len(boundary)), "grow refused though the pages were there (or the reverse)"
+        if not ok:
+            assert [r.cache.pages for r in boundary] == pages_before, "a refused grow changed a row"
+            return
+        for r, before in zip(boundary, pages_before):
+            assert r.cache.pages[:-1] == before and len(r.cache.pages) == len(before) + 1
+            r.computed = r.known_len
+            r.output.append(token)
+            self._write(r)
+
+    @precondition(lambda self: self.rows)
     @rule(i=st.integers(0, 99))
     def publish(self, i):
         req = self._pick(i)

@@ -201,3 +201,86 @@ def test_stats_are_plain_counters_that_cross_the_wire(stub):
         assert s.pages_free + s.pages_in_use + s.pages_cached == s.pages_total == 128
         assert s.pages_in_use == len(eng.request("req-1").cache.pages)
         eng.step()
+
+
+class _NoBulk(dict):
+    """The core's in-flight map, with every batch's bulk pass refused."""
+
+    def pop(self, *a):
+        batch = super().pop(*a)
+        if batch is not None:
+            batch.decode_tokens = lambda res: None
+        return batch
+
+
+def _drive(reverse: bool, seed: int) -> dict:
+    """The real core and a stub worker that answers each sampling step with a token
+    derived from (row, position); with `reverse`, the result lists the sampled rows in
+    reverse step order and the bulk pass is off (a result of one row is in order
+    either way), so the core applies every row one by one. Requests mix stop ids,
+    an EOS (one ignores it), max_tokens, overlap, an abort mid-flight and a pool small
+    enough to retract. Returns every rid's RowOuts as (tokens, finish_reason, status)."""
+    import random
+
+    import numpy as np
+
+    from ferroxmp.protocol import BatchResult, GenerateReq, SamplingParams, pack_ids
+    from ferroxmp.radix.pages import PagePool
+    from ferroxmp.scheduler import core as core_module
+    from ferroxmp.scheduler.core import SchedulerConfig, SchedulerCore
+    from ferroxmp.scheduler.results import apply_decode
+
+    rng = random.Random(seed)
+    pool = PagePool.create(26, 6, 32)
+    core = SchedulerCore(pool, SchedulerConfig(page_size=4, max_batch_tokens=24, max_model_len=128,
+                                               vocab_size=1000, eos_token_ids=(9,)))
+    try:
+        for i in range(10):
+            params = SamplingParams(max_tokens=rng.randint(1, 60), temperature=0.0,
+                                    stop_token_ids=rng.sample(range(5, 60), rng.randint(0, 2)),
+                                    ignore_eos=i % 3 == 0)
+            prompt = [rng.randint(5, 900) for _ in range(rng.randint(1, 20))]
+            assert core.add_request(GenerateReq(f"r{i}", pack_ids(prompt), params, float(i)), float(i)) is None
+        outs: dict[str, list] = {}
+        queue: list = []
+        bulk_passes = []
+        core_module.apply_decode = lambda *a: bulk_passes.append(1) or apply_decode(*a)
+        if reverse:
+            core.inflight = _NoBulk()
+        for turn in range(400):
+            while len(queue) < 2 and (batch := core.build_batch(100.0)) is not None:
+                queue.append(batch)
+            if not queue:
+                break
+            batch = queue.pop(0)
+            sampled = [(s.row, (s.row * 31 + s.start * 7) % 60 + 5) for s in batch.steps if s.sample]
+            if reverse:
+                sampled.reverse()
+            core.process_result(BatchResult(batch.batch_id, rows=pack_ids([r for r, _ in sampled]),
+                                            tokens=pack_ids([t for _, t in sampled])), 100.0)
+            if turn == 7:
+                core.abort(max(core.requests.values(), key=lambda r: r.params.max_tokens).rid)
+            for o in core.take_outputs():
+                outs.setdefault(o.rid, []).append((np.frombuffer(o.token_ids, "<i4").tolist(),
+                                                   o.finish_reason, o.status))
+            core.check_integrity()
+        assert core.idle, "the stub run did not drain"
+        return {"outs": outs, "retractions": core.totals.retractions, "bulk": len(bulk_passes)}
+    finally:
+        core_module.apply_decode = apply_decode
+        pool.close()
+        pool.unlink()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_rows_applied_in_bulk_end_exactly_as_when_applied_one_by_one(seed):
+    """A result normally lists its decode rows first and in step order, and the core
+    applies them in one pass; a result in any other order goes row by row. Both must
+    give every request the same tokens, stops (stop ids, EOS unless ignored, length),
+    abort and retractions: a bulk pass that misassigned a token, missed a stop or a
+    release would differ here (and check_integrity runs after every result)."""
+    bulk, one_by_one = _drive(False, seed), _drive(True, seed)
+    assert bulk.pop("bulk") > 0 and one_by_one.pop("bulk") == 0, "the two runs did not take the two paths"
+    assert bulk == one_by_one
+    reasons = {o[-1][1] for o in bulk["outs"].values()}
+    assert {"length", "stop", "abort"} <= reasons and len(bulk["outs"]) == 10

@@ -12,6 +12,10 @@ adopt is that row's next page to publish. Everything that can adopt what is cach
 is admitted in the same step, as many as fit. A blocking candidate (retracted or
 aged) that is deferred or does not fit stops admission: nothing younger passes it.
 
+Decode rows are planned in one pass over the live rows; those at a page boundary
+get their next page in one allocation (`CacheManager.grow`). Only when the pool
+cannot give them all is the step planned again row by row.
+
 When a decode row needs a page the pool cannot give even after eviction, the
 youngest row is retracted; its pages come back when the core releases it (at once,
 or when its batch in flight reports), so the row waits a step. One retraction at a
@@ -20,7 +24,8 @@ time: a pending one may already cover the need.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from operator import attrgetter
+from typing import Iterable, Optional
 
 from ferroxmp.scheduler.cache import CacheHandle, CacheManager
 from ferroxmp.scheduler.policy import admission_order
@@ -29,52 +34,96 @@ from ferroxmp.scheduler.request import Request, State
 
 @dataclass
 class Plan:
-    steps: list[tuple[Request, int, bool]] = field(default_factory=list)  # (request, length, sample)
+    # Decode rows, one sampled token each, oldest first: the bulk of a step, kept apart
+    # from the chunks so the core applies them in one tight pass (no tuple per row).
+    decode: list[Request] = field(default_factory=list)
+    steps: list[tuple[Request, int, bool]] = field(default_factory=list)  # chunks: (request, length, sample)
     admitted: list[tuple[Request, CacheHandle]] = field(default_factory=list)
     retract: list[Request] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.steps and not self.retract
+        return not self.decode and not self.steps and not self.retract
+
+
+_ARRIVAL = attrgetter("arrival")
 
 
 def plan_batch(waiting: list[Request], live: Iterable[Request], cache: CacheManager,
                budget: int, now: float, aging_s: float) -> Plan:
     plan = Plan()
-    live = sorted(live, key=lambda r: r.arrival)
-    active = [r for r in live if not r.retracting and r.state != State.FINISHED]
-    decoding = [r for r in active if r.state == State.DECODING and not r.done_sampling]
-    pending_retraction = any(r.retracting for r in live)
+    live = sorted(live, key=_ARRIVAL)
+    prefilling, left = _plan_decode(plan, live, cache, budget, bulk=True)
+    if left is None:  # the pool is short of pages: again row by row, retracting if need be
+        plan.decode.clear()
+        prefilling, left = _plan_decode(plan, live, cache, budget, bulk=False)
+    budget = left
 
-    for req in decoding:
+    retract = plan.retract
+    if len(prefilling) > 1:
+        prefilling.sort(key=lambda r: r.admitted_at or 0.0)
+    for req in prefilling:
         if budget <= 0:
             break
-        if req in plan.retract:
+        if retract and req in retract:
             continue
-        if not cache.allocate(req.cache, req.scheduled + 1):
-            if not pending_retraction:
-                younger = [r for r in active[active.index(req) + 1:] if r not in plan.retract]
-                if younger:
-                    plan.retract.append(younger[-1])
-                    pending_retraction = True
-            continue  # no page this step; it comes back when the retracted row is released
-        plan.steps.append((req, 1, True))
-        budget -= 1
-
-    prefilling = [r for r in active if r.state == State.PREFILLING and r not in plan.retract]
-    for req in sorted(prefilling, key=lambda r: r.admitted_at or 0.0):
-        if budget <= 0:
-            break
         chunk = min(req.prefill_target - req.scheduled, budget)
         plan.steps.append((req, chunk, req.scheduled + chunk == req.prefill_target))
         budget -= chunk
 
-    if budget > 0 and waiting and cache.free_rows and not plan.retract:
+    if budget > 0 and waiting and cache.free_rows and not retract:
         # Until its last chunk reports back (computed, not merely scheduled), a prefix
         # is not in the tree yet.
-        unpublished = [r for r in active if r.computed < r.prefill_target]
-        _admit(plan, waiting, unpublished, cache, budget, now, aging_s, reserve=len(decoding))
+        active = (State.PREFILLING, State.DECODING)
+        unpublished = [r for r in live if not r.retracting and r.state in active
+                       and r.computed < r.prefill_target]
+        reserve = sum(1 for r in live if not r.retracting and r.state is State.DECODING
+                      and r.sampled_scheduled + r.sampled_before < r.params.max_tokens)
+        _admit(plan, waiting, unpublished, cache, budget, now, aging_s, reserve=reserve)
     return plan
+
+
+def _plan_decode(plan: Plan, live: list[Request], cache: CacheManager, budget: int,
+                 bulk: bool) -> tuple[list[Request], Optional[int]]:
+    """One pass over every live row (this runs every step): decode rows are planned
+    oldest first, prefilling rows collected for after them. Returns those and the
+    budget left. With `bulk`, rows at a page boundary get their pages in one
+    allocation at the end; if the pool cannot give them all, no page was taken
+    (eviction may have run) and the budget is None: the caller plans again
+    without `bulk`, row by row, retracting as the policy says."""
+    decode, prefilling, retract, grow = plan.decode, [], plan.retract, []
+    decoding_state, prefilling_state = State.DECODING, State.PREFILLING
+    ps = cache.page_size
+    for req in live:
+        if req.retracting or (retract and req in retract):
+            continue
+        state = req.state
+        if state is prefilling_state:
+            prefilling.append(req)
+        elif (state is decoding_state and budget > 0
+              and req.sampled_scheduled + req.sampled_before < req.params.max_tokens):  # not done_sampling
+            if req.scheduled >= len(req.cache.pages) * ps:  # at a page boundary
+                if bulk:
+                    grow.append(req.cache)
+                elif not cache.allocate(req.cache, req.scheduled + 1):
+                    _retract_for(req, live, plan)
+                    continue  # no page this step; it comes back when the retracted row is released
+            decode.append(req)
+            budget -= 1
+    if grow and not cache.grow(grow):
+        return prefilling, None
+    return prefilling, budget
+
+
+def _retract_for(req: Request, live: list[Request], plan: Plan) -> None:
+    """A decode row got no page: retract the youngest active row younger than it,
+    unless a retraction is already pending (it may cover the need)."""
+    if any(r.retracting for r in live) or plan.retract:
+        return
+    younger = [r for r in live[live.index(req) + 1:]
+               if not r.retracting and r.state in (State.PREFILLING, State.DECODING)]
+    if younger:
+        plan.retract.append(younger[-1])
 
 
 def _admit(plan: Plan, waiting: list[Request], prefilling: list[Request], cache: CacheManager,

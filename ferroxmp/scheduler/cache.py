@@ -127,8 +127,13 @@ class CacheManager:
         leaving `reserve` pages for others; None (and nothing changed) if lacking."""
         if not self.free_rows:
             return None
+        matched = self.match(req)
+        # Pages first, from the remembered match: a request that cannot fit touches
+        # nothing in the tree (no LRU touch, no split, no lock), however often it is tried.
+        if self.available_pages - (pages_for(req.known_len, self.page_size) - matched // self.page_size) < reserve:
+            return None
         node, adopted = None, []
-        if self.match(req) > 0:
+        if matched > 0:
             m = self.tree.match_prefix(req.tokens[:req.known_len - 1], req.salt)
             if m.pages:
                 node, adopted = m.node, list(m.pages)
@@ -160,6 +165,21 @@ class CacheManager:
         handle.pages.extend(fresh)
         self._hold(fresh)
         self.pool.page_table[handle.row, start:start + need] = fresh
+        return True
+
+    def grow(self, handles: list[CacheHandle]) -> bool:
+        """One more page for each of these rows, all or nothing: the decode rows that
+        reached a page boundary this step, in one allocation and one table write."""
+        fresh = self._alloc(len(handles))
+        if fresh is None:
+            return False
+        rows, cols = [], []
+        for h, page in zip(handles, fresh):
+            rows.append(h.row)
+            cols.append(len(h.pages))
+            h.pages.append(page)
+        self._hold(fresh)
+        self.pool.page_table[rows, cols] = fresh
         return True
 
     def set_lengths(self, rows: list[int], positions: list[int]) -> None:

@@ -20,13 +20,14 @@ from typing import Optional
 
 import numpy as np
 
-from ferroxmp.protocol import (BatchResult, ForwardBatch, GenerateReq, NewRow, RowOut,
-                               RowStep, Stats, unpack_ids)
+from ferroxmp.protocol import BatchResult, ForwardBatch, GenerateReq, NewRow, RowOut, RowStep, Stats, unpack_ids
 from ferroxmp.radix.pages import PagePool
 from ferroxmp.scheduler.batch import plan_batch
 from ferroxmp.scheduler.cache import CacheManager
+from ferroxmp.scheduler.inflight import InFlight
 from ferroxmp.scheduler.outputs import Outbox
-from ferroxmp.scheduler.request import Request, State
+from ferroxmp.scheduler.request import Request, State, schedule_decode
+from ferroxmp.scheduler.results import apply_decode, apply_steps
 from ferroxmp.scheduler.settings import SchedulerConfig  # noqa: F401 (imported from here too)
 
 log = logging.getLogger("ferroxmp.scheduler")
@@ -40,7 +41,7 @@ class SchedulerCore:
     waiting: list[Request] = field(default_factory=list)
     live: dict[int, Request] = field(default_factory=dict)  # row -> request holding it
     requests: dict[str, Request] = field(default_factory=dict)  # waiting, live, or releasing
-    inflight: dict[int, list[tuple[Request, RowStep]]] = field(default_factory=dict)
+    inflight: dict[int, InFlight] = field(default_factory=dict)  # batch id -> what it holds
     outbox: Outbox = field(default_factory=Outbox)
     totals: Stats = field(default_factory=Stats)
     next_batch_id: int = 0
@@ -48,6 +49,7 @@ class SchedulerCore:
     def __post_init__(self) -> None:
         self.cache = CacheManager(self.pool, self.cfg.page_size, self.cfg.radix)
         self._rng = random.Random(self.cfg.seed)
+        self._eos = frozenset(self.cfg.eos_token_ids)
 
     # -- requests in ---------------------------------------------------------------
 
@@ -67,7 +69,9 @@ class SchedulerCore:
             log.info("refused %s: %s", msg.rid, out.error)
             return out
         seed = msg.params.seed if msg.params.seed is not None else self._rng.getrandbits(31)
-        req = Request(msg.rid, ids, msg.params, msg.arrival or now, seed=seed, salt=msg.cache_salt)
+        p = msg.params
+        stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self._eos)
+        req = Request(msg.rid, ids, p, msg.arrival or now, seed=seed, salt=msg.cache_salt, stops=stops)
         self.requests[req.rid] = req
         self.waiting.append(req)
         return None
@@ -116,18 +120,23 @@ class SchedulerCore:
                 self.totals.prompt_tokens += len(req.prompt)
                 self.totals.cached_prompt_tokens += req.cached_tokens
             new_rows.append(self.new_row(req))
-        if not plan.steps:
+        if not plan.decode and not plan.steps:
             return None
-        steps, rows, ends = [], [], []
+        # Decode rows in one pass (most of a step); then the prefill chunks.
+        rows, starts = schedule_decode(plan.decode)
+        steps = [RowStep(row, start, 1, True) for row, start in zip(rows, starts)]
+        if rows:
+            self.cache.set_lengths(rows, np.add(starts, 1))
+        chunks = []
         for req, length, sample in plan.steps:
             step = RowStep(req.row, req.scheduled, length, sample)
             req.schedule(length, sample)
-            steps.append((req, step))
-            rows.append(step.row)
-            ends.append(req.scheduled)
-        self.cache.set_lengths(rows, ends)
-        batch = ForwardBatch(self.next_batch_id, new_rows, [s for _, s in steps])
-        self.inflight[batch.batch_id] = steps
+            chunks.append((req, step))
+            steps.append(step)
+        if chunks:
+            self.cache.set_lengths([s.row for _, s in chunks], [s.start + s.length for _, s in chunks])
+        batch = ForwardBatch(self.next_batch_id, new_rows, steps)
+        self.inflight[batch.batch_id] = InFlight(plan.decode, rows, starts, chunks)
         self.next_batch_id += 1
         self.totals.steps += 1
         if self.cfg.sliding_window and self.totals.steps % self.cfg.swa_release_interval == 0:
@@ -154,64 +163,26 @@ class SchedulerCore:
         the whole batch's `error`) ends its request with an error; the batch's other
         rows go on. Every row's `inflight` drops either way, so pages come back once,
         after the last batch that referenced them reported."""
-        steps = self.inflight.pop(res.batch_id, None)
-        if steps is None:
+        batch = self.inflight.pop(res.batch_id, None)
+        if batch is None:
             log.error("result for unknown batch %d dropped", res.batch_id)
             return
         self.totals.worker_busy_seconds += res.compute_s
         if res.error:
             log.error("worker refused batch %d: %s", res.batch_id, res.error)
-        row_errors, logprobs = res.row_errors, res.logprobs
-        failed = res.error is not None or bool(row_errors)
-        sampled = dict(zip(unpack_ids(res.rows).tolist(), unpack_ids(res.tokens).tolist()))
-        for req, step in steps:
-            req.inflight -= 1
-            if failed and (why := res.error or row_errors.get(step.row)) is not None:
-                if req.state != State.FINISHED:
-                    log.error("request %s failed in batch %d: %s", req.rid, res.batch_id, why)
-                    req.finish("error", f"the model worker failed this request: {why}")
-                    self._emit(req)
-                continue
-            if req.finish_reason == "error":
-                continue  # its KV is not trusted any more: never published, never extended
-            if res.prompt_logprobs and (plps := res.prompt_logprobs.get(step.row)):
-                self._add_prompt_logprobs(req, step.start + 1, plps)
-            end = step.start + step.length
-            if end > req.computed:
-                req.computed = end
-            if step.start < req.prefill_target and req.state != State.FINISHED and not req.retracting:
-                self.cache.publish(req)  # a finished prefill chunk is shared at once (contract 1)
-            if step.sample and req.state != State.FINISHED:
-                token = sampled.get(step.row)
-                if token is None:
-                    req.finish("error", f"the model worker returned no token for row {step.row}")
-                    self._emit(req)
-                    continue
-                self._append(req, token, logprobs.get(step.row) if logprobs else None)
-        for req, _ in steps:
-            if req.inflight == 0 and (req.state is State.FINISHED or req.retracting):
-                self._release_if_done(req)
-
-    @staticmethod
-    def _add_prompt_logprobs(req: Request, first: int, lps: list) -> None:
-        """Keep, in order, the entries for prompt positions not reported yet; they travel
-        with the request's next RowOut (the one carrying its first token)."""
-        skip = req.prompt_logprobs_next - first
-        if 0 <= skip < len(lps):
-            req.pending_prompt_logprobs.extend(lps[skip:])
-            req.prompt_logprobs_next = first + len(lps)
-
-    def _append(self, req: Request, token: int, logprobs) -> None:
-        req.output.append(token)
-        self.totals.generation_tokens += 1
-        if logprobs is not None:
-            req.pending_logprobs.append(logprobs)
-        p = req.params
-        if (not p.ignore_eos and token in self.cfg.eos_token_ids) or token in p.stop_token_ids:
-            req.finish("stop")
-        elif len(req.output) >= p.max_tokens:
-            req.finish("length")
-        self._emit(req)
+        failed = res.error is not None or bool(res.row_errors)
+        tokens = None if failed or res.prompt_logprobs else batch.decode_tokens(res)
+        news = self.outbox.news
+        if tokens is None:  # row by row: errors, or rows out of step order
+            n, ended = apply_steps(res, list(batch), self.cache, news)
+        else:
+            n, ended = apply_decode(batch, tokens, res.logprobs, news)
+            if batch.chunks:
+                n2, ended2 = apply_steps(res, batch.chunks, self.cache, news)
+                n, ended = n + n2, ended + ended2
+        self.totals.generation_tokens += n
+        for req in ended:
+            self._release_if_done(req)
 
     def _release_if_done(self, req: Request) -> None:
         if req.inflight > 0 or req.cache is None:

@@ -31,7 +31,17 @@ class Outbox:
     def take(self) -> list[RowOut]:
         outs = list(self.finals.values())
         self.finals.clear()
+        finished = State.FINISHED
         for req in self.news.values():
+            # The common case inline (one token, nothing else to say): a decoding row's
+            # news every step, so no call per row.
+            k = req.reported_tokens
+            if (len(req.output) == k + 1 and req.state is not finished
+                    and not req.pending_logprobs and not req.pending_prompt_logprobs):
+                req.reported_tokens = k + 1
+                outs.append(RowOut(req.rid, _PACK1(req.output[k]), None, None, None, 200,
+                                   len(req.prompt), req.cached_tokens, req.queue_time))
+                continue
             out = _row_out(req)
             if out is not None:
                 outs.append(out)

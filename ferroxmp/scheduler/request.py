@@ -32,7 +32,7 @@ class State(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)  # identity: queues are searched by object, and prompt is an array
+@dataclass(eq=False, slots=True)  # identity: queues are searched by object, and prompt is an array
 class Request:
     rid: str
     prompt: np.ndarray  # int32
@@ -40,6 +40,7 @@ class Request:
     arrival: float
     seed: int = 0
     salt: str = ""  # prefixes are shared only between requests with the same salt
+    stops: frozenset = frozenset()  # sampled ids that end it with "stop" (EOS unless ignore_eos, stop_token_ids)
     output: list[int] = field(default_factory=list)
     state: State = State.WAITING
     cache: Any = None  # the cache manager's handle while the request holds a row
@@ -119,3 +120,17 @@ class Request:
             self.state = State.FINISHED
             self.finish_reason = reason
             self.error = error
+
+
+def schedule_decode(reqs: list[Request]) -> tuple[list[int], list[int]]:
+    """`schedule(1, True)` for many DECODING rows at once (every step, every decode row:
+    one pass, no call per row). Returns their rows and the positions they compute."""
+    rows, starts = [], []
+    for req in reqs:
+        start = req.scheduled
+        rows.append(req.cache.row)
+        starts.append(start)
+        req.scheduled = start + 1
+        req.inflight += 1
+        req.sampled_scheduled += 1
+    return rows, starts
