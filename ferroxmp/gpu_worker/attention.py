@@ -193,19 +193,22 @@ def make_backend(kv, window: Optional[int], device: torch.device, name: str = "a
         return TorchBackend(kv, window, num_heads)
     if name == "triton":
         from .attn_triton import TritonBackend
+    if name == "det":  # --deterministic: bits independent of batch and chunking (attn_det.py)
+        from .attn_det import DeterministicBackend
+        return DeterministicBackend(kv, window, num_heads)
         return TritonBackend(kv, window, num_heads)
     if name == "flashinfer":
         from .attn_flashinfer import FlashInferBackend
         return FlashInferBackend(kv, window, num_heads)
-    raise ValueError(f"unknown attention backend {name!r} (auto, torch, triton, flashinfer)")
+    raise ValueError(f"unknown attention backend {name!r} (auto, torch, det, triton, flashinfer)")
 
 
 def backend_layout(device: torch.device, name: str = "auto") -> str:
-    """KV layout the chosen backend reads: 'hnd' (torch: per head, contiguous slots) or
+    """KV layout the chosen backend reads: 'hnd' (torch, det: per head, contiguous slots) or
     'nhd' (triton, flashinfer: [pages, page_size, heads, dim])."""
     if name == "auto":
         name = "torch" if device.type != "cuda" else "gpu"
-    return "hnd" if name == "torch" else "nhd"
+    return "hnd" if name in ("torch", "det") else "nhd"
 
 
 def _has(module: str) -> bool:

@@ -1,0 +1,76 @@
+"""Batch-invariant linear layers for `--deterministic`, and what was measured to need them.
+
+Job: `invariant_linear(x, w, b)` gives each row of x the same output bits whatever the
+other rows are and however many there are; `check_linear(w)` verifies that on this
+torch build and these shapes (the worker runs it at startup in deterministic mode and
+refuses to start if it fails, rather than serve a mode that does not hold).
+
+What varies (measured on this machine, torch 2.13 CPU, 2 threads, tests/test_deterministic.py
+`test_the_first_op_that_varies_is_found_and_deterministic_mode_removes_it` traces every
+op of the real model per (row, position) and reports the first one whose bits differ):
+- F.linear, float32: a row's output has one of three bit patterns, by where the row sits
+  in the gemm: M == 1 (a gemv), a row in the tail of M % 4 (the 4-row micro-tile's
+  remainder) or a row in a full 4-row tile. The batch's size and the row's offset
+  beyond that do not matter (M = 1..2100, K up to 1536, N up to 8192). A one-token
+  chunk or decode step (M = 1) and a prompt whose length is not a multiple of 4 hit
+  the other kernels: logits move by ~1e-6. bfloat16 showed no variation at these shapes.
+- Attention (torch SDPA): a query's output depends on how many queries and keys the
+  call holds (flash blocks) and where its chunk starts: first differing op when a prompt
+  is split into chunks at different points. Fixed by `attn_det.py`.
+- RMSNorm (float32), softmax / log_softmax over the vocabulary, sum: row-invariant.
+- Elementwise SiLU in float32 varies with the tensor's length when a row's tail falls in
+  the scalar remainder of the vectorised loop (a [M, 1000] contiguous tensor); the
+  model applies it to [M, intermediate] slices with intermediate a multiple of 32, all
+  vectorised: no variation observed in the traced model.
+- Sampling: already counter-based per (seed, position) over row-wise ops.
+
+The fix: pad the rows to a multiple of `ROW_TILE` (never fewer than one tile), so every
+row is in a full micro-tile and the gemm's per-row summation order is fixed; the
+padding rows are zeros and are dropped. Cost: at most 3 extra rows per matmul.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+ROW_TILE = 4  # the CPU sgemm / bf16 gemm row micro-tile (measured; see above)
+
+
+def invariant_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear with each row's bits independent of the batch: rows padded to ROW_TILE."""
+    m = x.shape[0]
+    padded = max(ROW_TILE, -(-m // ROW_TILE) * ROW_TILE)
+    if padded != m:
+        x = torch.cat([x, x.new_zeros((padded - m,) + tuple(x.shape[1:]))])
+    return F.linear(x, w, b)[:m]
+
+
+def check_linear(w: torch.Tensor, b: Optional[torch.Tensor] = None, sizes=(1, 2, 3, 5, 8, 13, 21)) -> None:
+    """Raise RuntimeError unless every row of a random batch gets the same bits from
+    `invariant_linear` alone, at every batch size in `sizes` and at a shifted offset."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(max(sizes) + 3, w.shape[1], generator=gen).to(w.dtype).to(w.device)
+    alone = torch.cat([invariant_linear(x[i:i + 1], w, b) for i in range(x.shape[0])])
+    for m in sizes:
+        for off in (0, 3):
+            if not torch.equal(invariant_linear(x[off:off + m], w, b), alone[off:off + m]):
+                raise RuntimeError(f"--deterministic: a {tuple(w.shape)} {w.dtype} matmul on {w.device} gives a "
+                                   f"row different bits in a batch of {m}; this build's gemm is not "
+                                   f"row-invariant with {ROW_TILE}-row tiles")
+
+
+def make_deterministic(model) -> None:
+    """Install the invariant linear on a `DecoderLM` (its `linear` hook) after checking it
+    on each distinct matrix shape the model multiplies by (with its bias, if any)."""
+    mats = [(model.lm_head, None)]
+    for L in model.layers:
+        mats += [(L.w_qkv, L.b_qkv), (L.w_o, L.b_o), (L.w_gate_up, None), (L.w_down, None)]
+    seen = set()
+    for w, b in mats:
+        key = (tuple(w.shape), w.dtype, b is None)
+        if key not in seen:
+            seen.add(key)
+            check_linear(w, b)
+    model.linear = invariant_linear
