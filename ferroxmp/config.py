@@ -41,6 +41,8 @@ class ServerArgs:
     queue_timeout: float = _f(600.0, "Seconds a request may wait for admission before a 503.")
     disable_radix_cache: bool = _f(False, "Turn off prefix sharing.")
     disable_overlap: bool = _f(False, "Run one batch at a time instead of building N+1 while N computes.")
+    disable_cuda_graph: bool = _f(False, "On CUDA, run decode steps eagerly instead of replaying CUDA graphs "
+                                  "captured per padded batch size (CPU never uses graphs).")
     swa_release_interval: int = _f(32, "Steps between releases of pages outside every sliding window.")
     tp: int = _f(1, "Tensor-parallel ranks in all (one worker process each, split evenly over --nnodes); "
                  "must divide the attention heads and the MLP width.")

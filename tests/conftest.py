@@ -43,7 +43,7 @@ class RunnerHarness:
         self.pages_per_row = pages_per_row
         self.pool = PagePool.create(max_rows * pages_per_row, max_rows, pages_per_row)
         try:
-            self.runner = ModelRunner(model_path, self.pool, page_size, device="cpu")
+            self.runner = ModelRunner(model_path, self.pool, page_size, device="cpu", keep_logits=True)
         except BaseException:
             self.close()
             raise

@@ -26,7 +26,7 @@ class LocalEngine:
                  max_rows: int = 8, overlap: bool = False, radix: bool = True, max_model_len: int = 1024,
                  swa_release_interval: int = 32):
         self.pool = PagePool.create(num_pages, max_rows, -(-max_model_len // page_size))
-        self.runner = ModelRunner(model, self.pool, page_size)
+        self.runner = ModelRunner(model, self.pool, page_size, keep_logits=True)
         cfg = self.runner.config
         self.core = SchedulerCore(self.pool, SchedulerConfig(
             page_size=page_size, max_batch_tokens=max_batch_tokens, max_model_len=max_model_len,

@@ -57,3 +57,46 @@ def test_half_precision_stays_within_its_rounding(dtype, tol):
     out, ref = run_backend("triton", MIXED, 7, dtype=dtype, shared=[(5, 2)])
     err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
     assert err < tol, err
+
+
+def test_a_decode_step_padded_for_a_cuda_graph_matches_and_touches_only_the_pad_page():
+    """The static, padded path CUDA graphs replay (cuda_graphs.py), run eagerly on CPU: 3
+    decode rows padded to 8 must give the reference's output for the 3 rows, and the
+    pool may change only at the 3 rows' new slots and on the pad page (a padding row that
+    wrote anywhere else would corrupt another row's K/V)."""
+    import numpy as np
+    from ferroxmp.gpu_worker.attention import make_backend, reference_attention
+    from ferroxmp.gpu_worker.cuda_graphs import PinnedStager, padded_batch_size, graph_batch_sizes
+    from ferroxmp.gpu_worker.kv_pool import KVPool
+    from test_worker_attention import CPU, D, H, KVH, PS
+
+    g = torch.Generator().manual_seed(9)
+    pages, pad = 40, 40  # the pool has one page more than the scheduler's 40
+    kv = KVPool(pages + 1, PS, 1, KVH, D, torch.float32, CPU, "nhd")
+    kv.slots_view(0, "k").copy_(torch.randn((pages + 1) * PS, KVH, D, generator=g))
+    kv.slots_view(0, "v").copy_(torch.randn((pages + 1) * PS, KVH, D, generator=g))
+    table = np.random.default_rng(9).permutation(pages)[:30].reshape(3, 10).astype(np.int32)
+    steps = [(0, 13, 1), (1, 2, 1), (2, 30, 1)]
+    be = make_backend(kv, None, CPU, "triton", num_heads=H)
+    size = padded_batch_size(3, graph_batch_sizes(256))
+    assert size == 4
+    size = 8  # more padding than the smallest size, to exercise several padding rows
+    be.enable_padding(max_rows=8, max_pages=30, pad_page=pad)
+    plan = be.plan(steps, table)
+    be.prepare_padded(plan, size, PinnedStager(pin=False))
+    before_k = kv.slots_view(0, "k").clone()
+    q = torch.zeros(size, H, D)
+    k = torch.zeros(size, KVH, D)
+    v = torch.zeros(size, KVH, D)
+    q[:3], k[:3], v[:3] = (torch.randn(3, h, D, generator=g) for h in (H, KVH, KVH))
+    k[3:], v[3:] = 1e4, 1e4  # a padding row's K/V, loud if it lands in a real slot
+    out = be.forward(0, q, k, v)
+    ref = reference_attention(q[:3], kv.slots_view(0, "k"), kv.slots_view(0, "v"), steps, table, PS, None)
+    assert torch.allclose(out[:3].double(), ref, atol=1e-5)
+    changed = (kv.slots_view(0, "k") != before_k).any(-1).any(-1).nonzero().flatten().tolist()
+    real = sorted(int(table[r, s // PS]) * PS + s % PS for r, s, _ in steps)
+    assert sorted(set(changed) - set(range(pad * PS, (pad + 1) * PS))) == real
+    with pytest.raises(Exception, match="page"):  # the pad page is no row's: a table naming it is refused
+        bad = table.copy()
+        bad[0, 0] = pad
+        be.plan([(0, 1, 1)], bad)

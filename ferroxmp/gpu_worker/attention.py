@@ -139,9 +139,11 @@ class AttentionBackend:
         self.window = window
         self.num_heads = num_heads  # query heads (FlashInfer plans with them; others read q)
         self.step: Optional[StepPlan] = None
+        self.pad_page: Optional[int] = None  # CUDA graphs: a page past the scheduler's pool (cuda_graphs.py)
 
     def plan(self, steps: list[tuple[int, int, int]], page_table: np.ndarray) -> StepPlan:
-        self.step = plan_step(steps, page_table, self.kv.page_size, self.kv.num_pages, self.window)
+        pages = self.kv.num_pages if self.pad_page is None else self.pad_page  # the pad page is never a row's
+        self.step = plan_step(steps, page_table, self.kv.page_size, pages, self.window)
         self.prepare(self.step)
         return self.step
 

@@ -144,6 +144,21 @@ def _extend_kernel(Q, K, V, O, q_begin, q_len, q_start, kv_start, kv_indptr, kv_
     tl.store(O + qptr, out.to(O.dtype.element_ty), mask=qmask)
 
 
+def padded_decode_arrays(step: StepPlan, size: int, pad_page: int) -> dict[str, np.ndarray]:
+    """The kernels' per-step arrays for a decode-only step of n rows padded to `size`:
+    padding row i (n <= i < size) is one token at position 0 reading and writing slot 0
+    of `pad_page`; the real rows' entries are the plan's."""
+    n, ps = step.n_decode, step.page_size
+    assert n == len(step.rows) and n <= size, "only decode-only steps are padded"
+    counts = np.concatenate([np.diff(step.kv_indptr), np.ones(size - n, np.int64)])
+    return {"write_slots": np.concatenate([step.write_slots, np.full(size - n, pad_page * ps)]).astype(np.int64),
+            "q_begin": np.arange(size, dtype=np.int32), "q_len": np.ones(size, np.int32),
+            "q_start": np.concatenate([step.starts, np.zeros(size - n, np.int64)]).astype(np.int32),
+            "kv_start": np.concatenate([step.kv_start, np.zeros(size - n, np.int64)]).astype(np.int32),
+            "kv_indptr": np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
+            "kv_pages": np.concatenate([step.kv_pages, np.full(size - n, pad_page)]).astype(np.int32)}
+
+
 def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(n))
 
@@ -171,6 +186,29 @@ class TritonBackend(AttentionBackend):
                   "kv_indptr": dev(step.kv_indptr), "kv_pages": dev(step.kv_pages)}
         self.n_decode, self.n_rows = b, len(step.rows)
         self.max_chunk = int(step.lengths[b:].max()) if self.n_rows > b else 0
+
+    def enable_padding(self, max_rows: int, max_pages: int, pad_page: int) -> None:
+        """Static per-step tensors for decode steps replayed from CUDA graphs (`cuda_graphs.py`):
+        up to `max_rows` rows reading up to `max_pages` pages in all; padding rows read and
+        write only `pad_page`, a page the KV pool has past the scheduler's pages."""
+        self.pad_page = pad_page
+        dev = self.kv.device
+        self.static = {name: torch.zeros(n, dtype=dtype, device=dev) for name, n, dtype in (
+            ("write_slots", max_rows, torch.int64), ("q_begin", max_rows, torch.int32),
+            ("q_len", max_rows, torch.int32), ("q_start", max_rows, torch.int32),
+            ("kv_start", max_rows, torch.int32), ("kv_indptr", max_rows + 1, torch.int32),
+            ("kv_pages", max_pages + max_rows, torch.int32))}
+
+    def prepare_padded(self, step: StepPlan, size: int, stager) -> None:
+        """A decode-only step padded to `size` rows, in the static tensors (copied in place:
+        a captured graph keeps reading the same addresses)."""
+        arrays = padded_decode_arrays(step, size, self.pad_page)
+        for name, a in arrays.items():
+            stager.copy(name, self.static[name], a)
+        n = {"kv_pages": len(self.static["kv_pages"]), "kv_indptr": size + 1}
+        self.t = {name: buf[:n.get(name, size)] for name, buf in self.static.items()}
+        self.n_decode = self.n_rows = size
+        self.max_chunk = 0
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv, t = self.kv, self.t

@@ -54,7 +54,8 @@ class RowState:
 
 class ModelRunner:
     def __init__(self, model_path: str, pool: PagePool, page_size: int, device: str = "auto",
-                 dtype: str = "auto", attention: str = "auto", tp=None, deterministic: bool = False):
+                 dtype: str = "auto", attention: str = "auto", tp=None, deterministic: bool = False,
+                 cuda_graph: bool = True, keep_logits: bool = False):
         self.device = resolve_device(device)
         self.config: ModelConfig = load_config(model_path, dtype)
         self.tp = tp  # --tp > 1: a tp_step.Leader, which tells the other ranks each step
@@ -70,13 +71,18 @@ class ModelRunner:
             attention = "det"
         self.pool = pool
         self.page_size = page_size
-        self.kv = KVPool.for_model(shape, pool.num_pages, page_size, self.config.dtype, self.device,
+        # CUDA graphs (decode steps replayed per padded batch size) need one page past the
+        # scheduler's for padding rows; never on CPU, under --tp or --deterministic.
+        graphs = cuda_graph and self.device.type == "cuda" and tp is None and not deterministic
+        self.kv = KVPool.for_model(shape, pool.num_pages + graphs, page_size, self.config.dtype, self.device,
                                    layout=backend_layout(self.device, attention))
         self.attn = make_backend(self.kv, self.config.sliding_window, self.device, attention,
                                  num_heads=shape.num_heads)
+        self.graphs = self._decode_graphs(pool) if graphs else None
         self.rows: dict[int, RowState] = {}
         self.failed: dict[int, str] = {}  # row -> why; its steps are skipped until a NewRow restarts it
         self.faults = None  # test-only fault injection (faults.py), set by the worker process
+        self.keep_logits = keep_logits  # debug/tests: keep each step's logits for `last_logits`
         self._logits: Optional[torch.Tensor] = None  # the last step's, left on the device
         self.model_path = model_path
         self._grammars: Optional["GrammarCache"] = None  # built on the first constrained row
@@ -92,10 +98,22 @@ class ModelRunner:
     @property
     def last_logits(self) -> torch.Tensor:
         """Raw logits [sampled rows, vocab] of the last step, copied to the host only when
-        asked (tests): the step itself never moves them off the device."""
+        asked; kept only by a runner built with keep_logits=True (tests, debugging)."""
+        if not self.keep_logits:
+            raise RuntimeError("last_logits needs a ModelRunner built with keep_logits=True")
         if self._logits is None:
             return torch.empty(0, self.config.vocab_size)
         return self._logits.float().cpu()
+
+    def _decode_graphs(self, pool: PagePool):
+        """CUDA graphs for decode-only steps (cuda_graphs.py), where the backend supports them."""
+        if not hasattr(self.attn, "enable_padding"):
+            log.info("CUDA graphs off: the %s attention backend has no padded decode path", self.attn.name)
+            return None
+        from .cuda_graphs import DecodeGraphs, graph_batch_sizes
+        sizes = graph_batch_sizes(pool.max_rows)
+        self.attn.enable_padding(sizes[-1], sizes[-1] * pool.max_pages_per_row, pad_page=pool.num_pages)
+        return DecodeGraphs(self.model, self.attn, sizes, self.device)
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         """Host array -> device tensor; on CUDA through pinned memory, without a sync."""
@@ -191,7 +209,10 @@ class ModelRunner:
         with torch.inference_mode():
             if self.tp is not None:
                 self.tp.send_step(plan, ids_np)
-            hidden = self.model.forward(self._to_device(ids_np), self._to_device(plan.positions), self.attn)
+            if self.graphs is not None and self.graphs.fits(plan):
+                hidden = self.graphs.forward(plan, ids_np)
+            else:
+                hidden = self.model.forward(self._to_device(ids_np), self._to_device(plan.positions), self.attn)
             prompt_lps = self._prompt_logprobs(batch, state, plan, hidden)
             sampling = [i for i, s in enumerate(batch.steps) if s.sample]
             if not sampling:
@@ -207,7 +228,7 @@ class ModelRunner:
             lp_rows = [j for j, st in enumerate(want) if st.params.logprobs is not None and j not in bad]
             lps = logprobs_of(logits[lp_rows], chosen[lp_rows],
                               [want[j].params.logprobs for j in lp_rows]) if lp_rows else []
-        self._logits = logits
+        self._logits = logits if self.keep_logits else None
         self.rows.update(staged)
         row_errors = {rows[j]: why for j, why in bad.items()}
         self.failed.update(row_errors)

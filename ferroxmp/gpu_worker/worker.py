@@ -39,6 +39,7 @@ from ..config import ServerArgs, setup_logging, watch_parent
 from ..liveness import Heartbeat, remove_if_orphaned
 from . import faults
 from ..radix.pages import PagePool
+from .gpu_memory import after_load, cuda_kv_budget
 from .kv_pool import pages_for_budget
 from .loader import UnsupportedModel, load_config, resolve_device, weight_bytes
 from .runner import ModelRunner
@@ -80,6 +81,11 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
     reserved = weight_bytes(model_path, cfg.dtype) // sa.tp if device.type == "cuda" else 0
     num_pages = pages_for_budget(shape, sa.page_size, cfg.dtype, sa.kv_pages, sa.kv_cache_gb,
                                  sa.mem_fraction, device, reserved_bytes=reserved)
+    if device.type == "cuda" and sa.kv_pages is None:  # weights and one step's activations first (gpu_memory.py)
+        kvb = cuda_kv_budget(shape, cfg.dtype, sa.page_size, sa.mem_fraction, sa.max_batch_tokens,
+                             sa.max_running_requests, reserved, device)
+        log.info("%s", kvb.describe())
+        num_pages = kvb.pages
     max_model_len = min(sa.max_model_len or math.inf, cfg.max_position_embeddings)
     max_pages_per_row = math.ceil(max_model_len / sa.page_size)
     pool: Optional[PagePool] = None
@@ -91,10 +97,12 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
         pool = PagePool.create(num_pages, max_rows=sa.max_running_requests,
                                max_pages_per_row=max_pages_per_row, name=pool_name)
         runner = ModelRunner(model_path, pool, sa.page_size, device=sa.device, dtype=sa.dtype, tp=leader,
-                             deterministic=sa.deterministic)
+                             deterministic=sa.deterministic, cuda_graph=not sa.disable_cuda_graph)
         if leader is not None:
             leader.attach(runner.attn)  # waits until every rank loaded its shard (then they attach the pool)
         runner.faults = faults.from_env()
+        if runner.device.type == "cuda":
+            log.info("%s", after_load(runner.device))
         ends = protocol.endpoints(run_dir)
         ctx = zmq.Context()
         pull = ctx.socket(zmq.PULL)
