@@ -220,3 +220,22 @@ def test_killing_one_rank_mid_stream_ends_the_stream_and_the_server_cleanly(tiny
         assert wait_gone(lambda: left_behind(srv, pids)) == []
     finally:
         srv.stop()
+
+
+def test_a_tp_that_does_not_divide_the_heads_is_refused_by_name_and_leaves_nothing(tiny_models):
+    """--tp 3 on 4 query / 2 KV heads: every rank refuses before the rendezvous (no rank
+    may wait for another that already quit), the server exits non-zero saying why."""
+    tmp = tempfile.mkdtemp(prefix="fxmp-tp3-")
+    proc = subprocess.Popen([sys.executable, "-m", "ferroxmp.cli", "serve", "--model", tiny_models["llama"],
+                             "--tp", "3", "--port", str(free_port()), "--kv-pages", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, TMPDIR=tmp))
+    try:
+        log, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert "--tp 3 cannot split 4 attention heads" in log, log[-3000:]
+    assert glob.glob(os.path.join(tmp, "ferroxmp-*")) + glob.glob(f"/dev/shm/fxmp_{proc.pid}_*") == []
