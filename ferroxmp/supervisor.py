@@ -153,10 +153,10 @@ class Supervisor:
                         return got
         raise ChildDied(f"{sorted(set(names) - set(got))} did not report ready within {READY_TIMEOUT_S:.0f}s")
 
-    def _check_children(self) -> None:
+    def _check_children(self, exit_0_ok: bool = False) -> None:
         for name, proc in self.children.items():
             rc = proc.poll()
-            if rc is not None:
+            if rc is not None and not (exit_0_ok and rc == 0):
                 raise ChildDied(f"{name} (pid {proc.pid}) exited with {rc}")
 
     def _check_stall(self) -> None:
@@ -229,15 +229,9 @@ class Supervisor:
             if all(c == 0 for c in codes):
                 log.info("rank 0 stopped this node's ranks")
                 return 0
-            self._check_children_failed()
+            self._check_children(exit_0_ok=True)
             time.sleep(WATCH_S)
         return 0
-
-    def _check_children_failed(self) -> None:
-        for name, proc in self.children.items():
-            rc = proc.poll()
-            if rc not in (None, 0):
-                raise ChildDied(f"{name} (pid {proc.pid}) exited with {rc}")
 
     def _fail_inflight(self, why: str) -> None:
         """Tell the frontend (if alive) to end every in-flight request with an error."""
