@@ -106,6 +106,8 @@ class RowOut(msgspec.Struct, omit_defaults=True):
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     error: Optional[str] = None  # set with a refusal; the frontend shows it to the client
     status: int = 200  # HTTP status for a refusal: 400 (never fits), 503 (queue timeout / draining)
+    # The request's counts: set on its first RowOut with tokens and on its last (and on
+    # a refusal); 0 on the ones between, which carry only new tokens.
     prompt_tokens: int = 0
     cached_tokens: int = 0
     queue_time: float = 0.0

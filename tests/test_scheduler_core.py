@@ -284,3 +284,45 @@ def test_decode_rows_applied_in_bulk_end_exactly_as_when_applied_one_by_one(seed
     assert bulk == one_by_one
     reasons = {o[-1][1] for o in bulk["outs"].values()}
     assert {"length", "stop", "abort"} <= reasons and len(bulk["outs"]) == 10
+
+
+def test_a_waiting_request_expires_at_the_first_check_past_its_timeout_and_not_before(stub):
+    """`expire` runs every loop turn and skips its scan until the oldest waiting request
+    can have expired: each request must still get its 503 at the first check after
+    arrival + --queue-timeout (a stale bound would skip it), and not one check earlier."""
+    import time
+
+    eng = stub(num_pages=256, max_rows=1)
+    eng.core.cfg.queue_timeout = 10.0
+    hog = eng.submit(list(range(10, 20)), 200)
+    eng.step()
+    t0 = time.time()
+    young = eng.submit(list(range(30, 40)), 2)
+    old = eng.submit(list(range(50, 60)), 2, age=5.0)  # arrived 5 s before young
+    for at, refused in ((t0 + 4.0, set()), (t0 + 5.5, {old}), (t0 + 9.0, {old}), (t0 + 10.5, {old, young})):
+        eng.core.expire(at)
+        eng.collect()
+        got = {r for r in (old, young) if r in eng.outs}
+        assert got == refused, f"at +{at - t0:.1f}s refused {got}, expected {refused}"
+    assert all(eng.outs[r][-1].status == 503 for r in (old, young))
+    late = eng.submit(list(range(70, 80)), 2, age=20.0)  # already past its timeout on arrival
+    eng.core.expire(t0 + 10.6)
+    eng.collect()
+    assert eng.outs[late][-1].status == 503, "a request added after a scan was not checked"
+    eng.core.abort(hog)
+    eng.run_to_idle()
+
+
+def test_a_request_counts_travel_with_its_first_tokens_and_its_last_row_out(stub):
+    """Decode RowOuts carry only the new token; the frontend takes usage and queue time
+    from the first RowOut with tokens and the last one, so those must carry them."""
+    eng = stub(num_pages=256)
+    warm(eng, PREFIX + [5])
+    rid = eng.submit(PREFIX + [6, 7, 8], 6)
+    eng.run_to_idle()
+    outs = [o for o in eng.outs[rid] if o.token_ids or o.finish_reason]
+    assert sum(unpack_ids(o.token_ids).size for o in outs) == 6 and len(outs) >= 3
+    for o in (outs[0], outs[-1]):
+        assert (o.prompt_tokens, o.cached_tokens) == (67, 64) and o.queue_time > 0
+    assert outs[-1].finish_reason == "length"
+    assert all((o.prompt_tokens, o.cached_tokens, o.queue_time) == (0, 0, 0.0) for o in outs[1:-1])

@@ -14,6 +14,7 @@ worker answered, so the two processes never disagree about what a row holds.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Optional
@@ -50,6 +51,7 @@ class SchedulerCore:
         self.cache = CacheManager(self.pool, self.cfg.page_size, self.cfg.radix)
         self._rng = random.Random(self.cfg.seed)
         self._eos = frozenset(self.cfg.eos_token_ids)
+        self._expires_at = math.inf  # no waiting request can expire before this (expire's scan)
 
     # -- requests in ---------------------------------------------------------------
 
@@ -74,6 +76,7 @@ class SchedulerCore:
         req = Request(msg.rid, ids, p, msg.arrival or now, seed=seed, salt=msg.cache_salt, stops=stops)
         self.requests[req.rid] = req
         self.waiting.append(req)
+        self._expires_at = min(self._expires_at, req.arrival + self.cfg.queue_timeout)
         return None
 
     def abort(self, rid: str, reason: str = "abort") -> None:
@@ -92,7 +95,10 @@ class SchedulerCore:
 
     def expire(self, now: float) -> None:
         """Refuse with 503 what waited past --queue-timeout (retracted rows already
-        streamed tokens to their client: they are never dropped)."""
+        streamed tokens to their client: they are never dropped). The queue is scanned
+        only once its oldest request can have expired (this runs every loop turn)."""
+        if now <= self._expires_at:
+            return
         for req in [r for r in self.waiting if r.retractions == 0
                     and now - r.arrival > self.cfg.queue_timeout]:
             self.waiting.remove(req)
@@ -101,6 +107,8 @@ class SchedulerCore:
                 req.rid, finish_reason="error", status=503, prompt_tokens=len(req.prompt),
                 error=f"the request waited {now - req.arrival:.1f}s for a free row or KV pages without being "
                       f"admitted (--queue-timeout {self.cfg.queue_timeout:g}s): retry later"))
+        self._expires_at = min((r.arrival for r in self.waiting if r.retractions == 0),
+                               default=math.inf) + self.cfg.queue_timeout
 
     # -- batches out ---------------------------------------------------------------
 

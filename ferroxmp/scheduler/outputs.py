@@ -1,6 +1,8 @@
 """Outbox: what the scheduler tells the frontend at the end of a loop turn.
 
-Refusals and expiries are final `RowOut`s as they are made. A request with news
+Refusals and expiries are final `RowOut`s as they are made. A request's counts
+(prompt and cached tokens, queue time) travel with its first RowOut that carries
+tokens and with its last; the ones between carry only its new tokens. A request with news
 (new tokens, or its end) is only noted; its `RowOut` is built once per turn in
 `take`, with every token it sampled since the last one sent — not rebuilt for each
 token. A request that ended with an error says status 500 (the worker could not
@@ -33,14 +35,14 @@ class Outbox:
         self.finals.clear()
         finished = State.FINISHED
         for req in self.news.values():
-            # The common case inline (one token, nothing else to say): a decoding row's
-            # news every step, so no call per row.
+            # The common case inline (one more token, nothing else to say): a decoding
+            # row's news every step, so no call per row, and only (rid, token): the
+            # request's counts went with its first token and go again with its last.
             k = req.reported_tokens
-            if (len(req.output) == k + 1 and req.state is not finished
+            if (len(req.output) == k + 1 and k > 0 and req.state is not finished
                     and not req.pending_logprobs and not req.pending_prompt_logprobs):
                 req.reported_tokens = k + 1
-                outs.append(RowOut(req.rid, _PACK1(req.output[k]), None, None, None, 200,
-                                   len(req.prompt), req.cached_tokens, req.queue_time))
+                outs.append(RowOut(req.rid, _PACK1(req.output[k])))
                 continue
             out = _row_out(req)
             if out is not None:
