@@ -1,7 +1,5 @@
-"""The step channel of tensor parallelism: rank 0 tells every other rank what to compute;
-and the process of a rank > 0 (a follower).
-
-    python -m ferroxmp.gpu_worker.tp_step --run-dir DIR --rank R   (started by the supervisor)
+"""The step channel of tensor parallelism: rank 0 tells every other rank what to compute
+(the other ranks' process, which follows it, is tp_rank.py).
 
 Rank 0 is the worker the scheduler talks to (worker.py): it receives each ForwardBatch,
 validates it, resolves every row's input tokens and plans attention, then broadcasts the
@@ -30,27 +28,16 @@ supervisor tears the server down. Rank 0 treats an exception inside a step as fa
 """
 from __future__ import annotations
 
-import argparse
-import json
-import logging
-import math
-import os
-import signal
-import sys
 from typing import Optional
 
 import numpy as np
 import torch
 
-from .. import protocol
-from ..config import ServerArgs, setup_logging, watch_parent
-from ..radix.pages import PagePool
-from .attention import StepPlan, backend_layout, make_backend
-from .kv_pool import KVPool, pages_for_budget
-from .loader import ModelConfig, UnsupportedModel, load_config, resolve_device, weight_bytes
-from .tp import Shard, TPGroup, build_model, check_divides
+from ..config import ServerArgs
+from .attention import StepPlan
+from .loader import ModelConfig, resolve_device
+from .tp import TPGroup, build_model, check_divides
 
-log = logging.getLogger("ferroxmp.worker")
 STEP, LOGITS, TICK, STOP = 1, 2, 3, 4
 CAP = 256  # int64 words broadcast at once; a longer message takes a second broadcast
 
@@ -185,90 +172,3 @@ class Leader:
             except RuntimeError:
                 pass
         self.tp.close()
-
-
-def follow(channel: Channel, model, attn, pool: Optional[PagePool], table_shape: tuple[int, int],
-           device: torch.device, parent_alive) -> int:
-    hidden: Optional[torch.Tensor] = None
-    to_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-    with torch.inference_mode():
-        while True:
-            kind, data = channel.recv()
-            if kind == STEP:
-                triples, ids, forgotten, table = decode_step(data, table_shape)
-                for row in forgotten:
-                    attn.forget(row)
-                plan = attn.plan(triples, pool.page_table if table is None else table)
-                hidden = model.forward(to_dev(ids), to_dev(plan.positions), attn)
-            elif kind == LOGITS:
-                model.logits(hidden[to_dev(data)])  # this rank's vocab shard joins the gather
-            elif kind == TICK:
-                if not parent_alive():
-                    log.warning("the supervisor is gone; exiting")
-                    return 1
-            elif kind == STOP:
-                return 0
-            else:
-                raise RuntimeError(f"unknown step message {kind}")
-
-
-def run_follower(launch: dict, run_dir: str, rank: int) -> int:
-    sa = ServerArgs.from_dict(launch["args"])
-    parent_alive = watch_parent(signal.SIGTERM)  # SIGTERM's default: exit at once (nothing to clean)
-    t = launch["tp"]
-    per_node = t["world"] // t["nnodes"]
-    torch.set_num_threads(sa.worker_threads or max(1, len(os.sched_getaffinity(0)) // per_node))
-    device = rank_device(sa.device, rank % per_node)
-    cfg = load_config(sa.model, sa.dtype)
-    shape = Shard(cfg, rank, t["world"]).local_config
-    reserved = weight_bytes(sa.model, cfg.dtype) // t["world"] if device.type == "cuda" else 0
-    num_pages = pages_for_budget(shape, sa.page_size, cfg.dtype, sa.kv_pages, sa.kv_cache_gb,
-                                 sa.mem_fraction, device, reserved_bytes=reserved)
-    max_model_len = min(sa.max_model_len or math.inf, cfg.max_position_embeddings)
-    max_pages_per_row = math.ceil(max_model_len / sa.page_size)
-    tp = join(t, rank, device, sa, cfg)
-    pool: Optional[PagePool] = None
-    try:
-        num_pages = agree_pages(tp, num_pages, sa, cfg, max_pages_per_row)
-        model, shape = build_model(sa.model, cfg, device, tp)
-        kv = KVPool.for_model(shape, num_pages, sa.page_size, cfg.dtype, device, layout=backend_layout(device))
-        attn = make_backend(kv, cfg.sliding_window, device, num_heads=shape.num_heads)
-        tp.barrier()  # every rank loaded; rank 0 created the page pool before it loaded
-        if tp.node == 0:
-            pool = PagePool.attach(launch["pool_name"])
-        import zmq
-        ctx = zmq.Context()
-        try:
-            sup = ctx.socket(zmq.PUSH)
-            sup.connect(protocol.endpoints(run_dir)["supervisor"])
-            sup.send(protocol.encode(protocol.Ready(name=f"worker{rank}", pid=os.getpid(),
-                                                    info={"rank": rank, "device": str(device)})))
-        finally:
-            ctx.destroy(linger=1000)
-        log.info("rank %d of %d ready (node %d, %s, %d query / %d KV heads)", rank, t["world"], tp.node,
-                 device, shape.num_heads, shape.num_kv_heads)
-        return follow(Channel(tp), model, attn, pool, (sa.max_running_requests, max_pages_per_row),
-                      device, parent_alive)
-    finally:
-        if pool is not None:
-            pool.close()
-        tp.close()
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ferroxmp.gpu_worker.tp_step")
-    p.add_argument("--run-dir", required=True)
-    p.add_argument("--rank", type=int, required=True)
-    a = p.parse_args(argv)
-    with open(os.path.join(a.run_dir, "launch.json"), encoding="utf-8") as f:
-        launch = json.load(f)
-    setup_logging(f"worker{a.rank}", str(launch["args"].get("log_level", "info")))
-    try:
-        return run_follower(launch, a.run_dir, a.rank)
-    except (UnsupportedModel, OSError, RuntimeError) as e:  # a lost peer, a refused model: say what
-        log.error("rank %d stops: %s", a.rank, e)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
