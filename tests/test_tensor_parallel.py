@@ -129,6 +129,23 @@ def test_each_rank_reads_only_its_slices_and_the_slices_rebuild_every_tensor(tin
             assert p["model.norm.weight"].shape == full["model.norm.weight"].shape
 
 
+def test_a_gguf_rank_gets_the_same_shard_as_a_safetensors_rank(tiny_models, tmp_path):
+    """A GGUF is dequantized whole and then cut (the Q/K permutation undone first): each
+    rank's tensors must equal, bit for bit, what it reads as slices of the folder (qwen2:
+    q/k/v biases, tied embeddings)."""
+    from gguf_writer import write_gguf
+    folder = tiny_models["qwen2"]
+    path = write_gguf(folder, str(tmp_path / "qwen2-f32.gguf"))
+    cfg = load_config(folder)
+    for rank in range(2):
+        shard = Shard(cfg, rank, 2)
+        want = load_weights(folder, torch.device("cpu"), torch.float32, select=shard.index)
+        got = load_weights(path, torch.device("cpu"), torch.float32, select=shard.index)
+        assert sorted(got) == sorted(want)
+        for name, t in want.items():
+            assert torch.equal(got[name], t), (rank, name)
+
+
 @pytest.mark.parametrize("shape", TINY_SHAPES)
 def test_tp2_serves_the_same_greedy_tokens_as_tp1(tiny_models, expected, shape):
     """Concurrent prompts, chunked prefill and a prefix-cache hit over HTTP with two
