@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -132,7 +133,7 @@ class SchedulerCore:
             return None
         # Decode rows in one pass (most of a step); then the prefill chunks.
         rows, starts = schedule_decode(plan.decode)
-        steps = [RowStep(row, start, 1, True) for row, start in zip(rows, starts)]
+        steps = list(map(RowStep, rows, starts, repeat(1), repeat(True)))  # no Python loop per row
         if rows:
             self.cache.set_lengths(rows, np.add(starts, 1))
         chunks = []
