@@ -66,6 +66,9 @@ class ModelRunner:
         else:  # this rank's shard (tp.py): its heads, its slice of the MLP and vocabulary
             self.model, shape = tp.build_model(model_path, self.config, self.device)
         if deterministic:  # --deterministic: batch-invariant matmuls and attention (batch_invariant.py)
+            if self.device.type != "cpu":
+                raise RuntimeError("--deterministic is measured and tested on CPU only; on CUDA the "
+                                   "batch invariance of cuBLAS and of the attention kernels is unverified")
             from .batch_invariant import make_deterministic
             make_deterministic(self.model)
             attention = "det"
