@@ -35,16 +35,21 @@ N_NEW = 8
 
 @pytest.fixture(scope="module")
 def expected(tiny_models):
-    """shape -> {prompt index: greedy tokens} from the tp=1 runner, 'warm' computed cold."""
+    """shape -> {prompt index: greedy tokens} from the tp=1 runner, 'warm' computed cold,
+    and 'prompt_logprobs': each token's logprob after the ones before it in prompt 1."""
     from conftest import RunnerHarness
+    from ferroxmp.protocol import RowStep, SamplingParams
     out = {}
     for shape in TINY_SHAPES:
         h = RunnerHarness(tiny_models[shape], page_size=4)
         try:
             got, _ = h.generate({**PROMPTS, 3: WARM}, N_NEW)
+            p = PROMPTS[1]
+            res = h.run([h.new_row(4, p, SamplingParams(temperature=0.0, prompt_logprobs=0))], [RowStep(4, 0, len(p), True)])
+            lps = [lp.token_logprob for lp in res.prompt_logprobs[4]]
         finally:
             h.close()
-        out[shape] = {**{i: got[i] for i in PROMPTS}, "warm": got[3]}
+        out[shape] = {**{i: got[i] for i in PROMPTS}, "warm": got[3], "prompt_logprobs": lps}
     return out
 
 
@@ -56,10 +61,22 @@ def generate(url: str, ids: list[int]) -> list[int]:
 
 
 def served_tokens(url: str) -> dict:
+    """The same as `expected` over HTTP; prompt logprobs from echo + logprobs (lm_head on
+    every prompt position, in --max-batch-tokens chunks), rounded to 1e-4."""
     with ThreadPoolExecutor(len(PROMPTS)) as ex:  # concurrently: one batch decodes every row
         got = dict(zip(PROMPTS, ex.map(lambda ids: generate(url, ids), PROMPTS.values())))
     got["warm"] = generate(url, WARM)
+    r = requests.post(url + "/v1/completions", json={"prompt": PROMPTS[1], "echo": True, "logprobs": 0,
+                                                     "max_tokens": 1, "temperature": 0.0}, timeout=120)
+    assert r.status_code == 200, r.text
+    got["prompt_logprobs"] = r.json()["choices"][0]["logprobs"]["token_logprobs"][1:len(PROMPTS[1])]
     return got
+
+
+def same(got: dict, want: dict) -> bool:
+    lps = (got.pop("prompt_logprobs"), want["prompt_logprobs"])
+    assert len(lps[0]) == len(lps[1]) and max(abs(a - b) for a, b in zip(*lps)) < 1e-4, lps
+    return got == {k: v for k, v in want.items() if k != "prompt_logprobs"}
 
 
 def all_pids(srv: ServerProcess) -> list[int]:
@@ -154,7 +171,7 @@ def test_tp2_serves_the_same_greedy_tokens_as_tp1(tiny_models, expected, shape):
     try:
         pids = all_pids(srv)
         assert len(srv.info["processes"]["workers"]) == 2
-        assert served_tokens(srv.url) == expected[shape]
+        assert same(served_tokens(srv.url), expected[shape])
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.wait_exit(30) == 0
         assert wait_gone(lambda: left_behind(srv, pids)) == []
@@ -193,7 +210,7 @@ def test_two_nodes_serve_the_same_tokens_and_a_lost_rank_takes_both_down(tiny_mo
         pids0 = all_pids(srv)
         ranks1 = node_children(node1.pid)
         assert len(srv.info["processes"]["workers"]) == 2 and len(ranks1) == 2
-        assert served_tokens(srv.url) == expected["llama"]
+        assert same(served_tokens(srv.url), expected["llama"])
         os.kill(ranks1[1], signal.SIGKILL)
         assert srv.wait_exit(30) != 0, "node 0 must go down when a rank on node 1 dies"
         assert node1.wait(30) != 0
