@@ -274,3 +274,16 @@ def test_a_tp_that_does_not_divide_the_heads_is_refused_by_name_and_leaves_nothi
     assert proc.returncode != 0
     assert "--tp 3 cannot split 4 attention heads" in log, log[-3000:]
     assert glob.glob(os.path.join(tmp, "ferroxmp-*")) + glob.glob(f"/dev/shm/fxmp_{proc.pid}_*") == []
+
+
+def test_a_sigkilled_supervisor_takes_every_rank_and_the_shared_memory_with_it(tiny_models):
+    """No cleanup code of the supervisor runs: the ranks > 0 must go on their own (parent
+    death signal) and rank 0 must still unlink the pool and remove the run directory."""
+    srv = ServerProcess(tiny_models["mistral"], "--tp", "2", *FLAGS)
+    try:
+        pids = all_pids(srv)
+        srv.proc.kill()
+        srv.proc.wait()
+        assert wait_gone(lambda: left_behind(srv, pids)) == []
+    finally:
+        srv.stop()
