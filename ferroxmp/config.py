@@ -53,7 +53,7 @@ class ServerArgs:
     dist_init_addr: Optional[str] = _f(None, "host:port of node 0's rendezvous (torch.distributed TCP store), "
                                        "the same on every node; needed with --nnodes > 1.")
     worker_threads: int = _f(0, "Intra-op threads of each worker's forward; 0 = every core the worker may "
-                             "run on (the scheduler and frontend sleep on sockets and use 1-5%% of the "
+                             "run on, divided among this node's --tp ranks (the scheduler and frontend sleep on sockets and use 1-5%% of the "
                              "worker's CPU time: docs/BENCHMARKS.md).")
     api_key: Optional[str] = _f(None, "Require 'Authorization: Bearer KEY' on every endpoint but /health.")
     api_key_file: Optional[str] = _f(None, "File of API keys, one a line, optionally 'tenant:key'; each tenant's "
