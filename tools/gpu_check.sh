@@ -8,9 +8,10 @@
 #    mixed decode rows + chunks, GQA, sliding window, pages out of order, adopted prefixes;
 #    relative error per dtype (float32 / float16 / bfloat16).
 # 2. oracle: 32 greedy tokens of the runner on the GPU equal transformers' generate on
-#    the same GPU, for every tiny checkpoint (llama, qwen2, qwen3, mistral), per backend.
+#    the same GPU, for every tiny checkpoint (llama, qwen2, qwen3, mistral), per backend;
+#    one row at a time and three rows decoding together (a padded CUDA graph).
 # 3. speed: runner decode step at batch 1/16/64/256 (context 512) and a 2,048-token
-#    prefill, on the smol-135m shape and a 1B-shaped (Llama-3.2-1B dims) random checkpoint,
+#    prefill (CUDA graphs on, and for Triton also off), on the smol-135m shape and a 1B-shaped (Llama-3.2-1B dims) random checkpoint,
 #    bf16, next to transformers' own forward (sdpa, DynamicCache) in the same run; the
 #    achieved memory bandwidth of each decode step (weights + KV read) against the device's
 #    measured copy bandwidth.
@@ -123,11 +124,12 @@ for name in BACKENDS:
 class Runner:
     """A ModelRunner on a private pool; row r owns pages interleaved with the others'."""
 
-    def __init__(self, path, rows, max_len, attention, page_size=16):
+    def __init__(self, path, rows, max_len, attention, page_size=16, cuda_graph=True):
         from ferroxmp.gpu_worker.runner import ModelRunner
         per_row = -(-max_len // page_size)
         self.pool = PagePool.create(num_pages=per_row * rows, max_rows=rows, max_pages_per_row=per_row)
-        self.r = ModelRunner(path, self.pool, page_size, device=DEV.type, attention=attention)
+        self.r = ModelRunner(path, self.pool, page_size, device=DEV.type, attention=attention,
+                             cuda_graph=cuda_graph)
         for row in range(rows):
             self.pool.set_row(row, [j * rows + row for j in range(per_row)], 0)
         self.bid = 0
@@ -176,6 +178,29 @@ for shape in (TINY_SHAPES[:1] if DRY else TINY_SHAPES):
             print(f"oracle {shape:<8} {backend:<10} prompt {n:>4}: {'same tokens' if ok else 'DIFFERENT'}", flush=True)
             if not ok:
                 failed.append(f"oracle {shape} {backend} prompt {n}")
+        # Three rows decoding together (a CUDA graph of 4 rows: one padding row) must each
+        # give transformers' tokens for that row alone.
+        lens = (7, 33, 300)
+        prompts = {r: torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(50 + n)).tolist()
+                   for r, n in enumerate(lens)}
+        rb = Runner(path, len(lens), max(lens) + n_new + 16, backend)
+        try:
+            rb.start(prompts)
+            res = rb.run([], [RowStep(r, 0, n, True) for r, n in enumerate(lens)])
+            toks = {r: [t] for r, t in zip(unpack_ids(res.rows).tolist(), unpack_ids(res.tokens).tolist())}
+            while len(toks[0]) < n_new:
+                res = rb.run([], [RowStep(r, n + len(toks[r]) - 1, 1, True) for r, n in enumerate(lens)])
+                for r, t in zip(unpack_ids(res.rows).tolist(), unpack_ids(res.tokens).tolist()):
+                    toks[r].append(t)
+        finally:
+            rb.close()
+        with torch.inference_mode():
+            same = all(toks[r] == hf.generate(torch.tensor([p], device=DEV), max_new_tokens=n_new, do_sample=False,
+                                              pad_token_id=0)[0, len(p):].tolist() for r, p in prompts.items())
+        report["oracle"].append({"shape": shape, "backend": backend, "prompt": "3 rows batched", "ok": same})
+        print(f"oracle {shape:<8} {backend:<10} 3 rows batched: {'same tokens' if same else 'DIFFERENT'}", flush=True)
+        if not same:
+            failed.append(f"oracle {shape} {backend} 3 rows batched")
     del hf
 
 
@@ -245,15 +270,20 @@ peak = copy_bandwidth()
 report["copy_bandwidth_gbs"] = peak / 1e9
 print(f"device copy bandwidth: {peak / 1e9:.1f} GB/s", flush=True)
 batches, ctx, prefill, n_steps = ([1, 2], 64, 128, 2) if DRY else ([1, 16, 64, 256], 512, 2048, 20)
-smol = build_model("smol-135m", os.path.join(tmp, "smol-135m"))
+smol = build_model("llama" if DRY else "smol-135m", os.path.join(tmp, "smol-135m"))  # dry: 2-layer stand-in
 models = {"smol-135m": smol, "1B-shape": make_1b(os.path.join(tmp, "1b"), smol)}
 for label, path in models.items():
     from ferroxmp.gpu_worker.loader import load_config, weight_bytes
     cfg = load_config(path)
     wbytes = weight_bytes(path, cfg.dtype)
     kv_tok = cfg.kv_bytes_per_token(cfg.dtype)
-    for backend in BACKENDS:
-        rb = Runner(path, max(batches), max(ctx + n_steps + 8, prefill + 8), backend)
+    # Every backend as served (CUDA graphs on where the backend has them), and the Triton
+    # backend once more without graphs: what the graphs buy.
+    for backend, graphs in [(b, True) for b in BACKENDS] + ([("triton", False)] if "triton" in BACKENDS and not DRY else []):
+        rb = Runner(path, max(batches), max(ctx + n_steps + 8, prefill + 8), backend, cuda_graph=graphs)
+        who = f"ferroxmp/{backend}" + ("" if graphs or DRY else " no-graph")
+        if graphs and not DRY:
+            who += " graph" if rb.r.graphs is not None else ""
         try:
             g = torch.Generator().manual_seed(0)
             ids = torch.randint(3, cfg.vocab_size, (prefill,), generator=g).tolist()
@@ -262,9 +292,9 @@ for label, path in models.items():
                 rb.start({0: ids})
                 rb.run([], [RowStep(0, 0, prefill, True)])
             t = median_time(run_prefill, 3)
-            report["speed"].append({"model": label, "who": f"ferroxmp/{backend}", "what": f"prefill {prefill}",
+            report["speed"].append({"model": label, "who": who, "what": f"prefill {prefill}",
                                     "tok_s": prefill / t})
-            print(f"speed {label} ferroxmp/{backend} prefill {prefill}: {prefill / t:,.0f} tok/s", flush=True)
+            print(f"speed {label} {who} prefill {prefill}: {prefill / t:,.0f} tok/s", flush=True)
             for b in batches:
                 rb.start({r: torch.randint(3, cfg.vocab_size, (ctx,), generator=g).tolist() for r in range(b)})
 
@@ -272,9 +302,9 @@ for label, path in models.items():
                     rb.run([], [RowStep(r, len(rb.r.rows[r].tokens) - 1, 1, True) for r in range(b)])
                 t = median_time(step, n_steps)
                 bw = (wbytes + b * ctx * kv_tok) / t
-                report["speed"].append({"model": label, "who": f"ferroxmp/{backend}", "what": f"decode b{b} ctx{ctx}",
+                report["speed"].append({"model": label, "who": who, "what": f"decode b{b} ctx{ctx}",
                                         "ms": 1000 * t, "gbs": bw / 1e9, "of_copy_bw": bw / peak})
-                print(f"speed {label} ferroxmp/{backend} decode b{b}: {1000 * t:.2f} ms, {bw / 1e9:.0f} GB/s "
+                print(f"speed {label} {who} decode b{b}: {1000 * t:.2f} ms, {bw / 1e9:.0f} GB/s "
                       f"({100 * bw / peak:.0f}% of copy)", flush=True)
         finally:
             rb.close()
