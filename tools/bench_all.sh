@@ -96,8 +96,8 @@ section_worker() {
     # The decode-heavy load of `overlap` below: batch 16, context 32..288 (mean ~160 tokens).
     # Step times swing by +-30% from run to run on the shared box: take several samples.
     for i in 1 2 3; do
-        measure "worker_ctx160_$i" "$PY" tools/bench_worker.py --model "$MODEL" --prompt 160 \
-            --batches 16 --steps 32 --out "$OUT/worker_ctx160_$i.json"
+        measure "worker_ctx160_$i" "$PY" tools/bench_worker.py --model "$MODEL" --contexts 160 \
+            --prefills "" --batches 16 --steps 32 --out "$OUT/worker_ctx160_$i.json"
     done
 }
 

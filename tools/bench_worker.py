@@ -5,7 +5,8 @@ model, same weights, same process, timings interleaved (runner, floor, runner, f
 The floor (`MinimalForward`) is what a forward costs without serving: fused QKV and
 gate/up matmuls (the runner's own weight tensors), RoPE, SDPA over contiguous per-row K/V
 `[batch, kv_heads, max_len, head_dim]` (no pages, no masks: every row has the same
-length), greedy argmax. The runner pays on top of it: the step plan, paged K/V reads,
+length), greedy argmax. The runner pays on top of it: the step plan, paged K/V reads
+(decode rows: the decode mirror, filled once per row; `--decode-path gather`: every layer),
 masks, sampling, row bookkeeping. Interleaving makes the ratio fair on a shared box: a
 neighbour that steals a core slows both sides of a pair alike.
 
@@ -105,12 +106,14 @@ class RunnerBench:
     pages grown one at a time by concurrent rows are), or consecutive with --consecutive."""
 
     def __init__(self, path: str, rows: int, max_len: int, page_size: int, consecutive: bool,
-                 attention: str):
+                 attention: str, decode_path: str = "auto"):
         from ferroxmp.gpu_worker.runner import ModelRunner
         per_row = -(-max_len // page_size)
         self.pool = PagePool.create(num_pages=per_row * rows, max_rows=rows, max_pages_per_row=per_row)
         kw = {} if attention == "auto" else {"attention": attention}  # "auto" also runs older runners
         self.runner = ModelRunner(path, self.pool, page_size, device="cpu", **kw)
+        if decode_path == "gather" and getattr(self.runner.attn, "mirror", None) is not None:
+            self.runner.attn.mirror = None  # the fallback: gather each row's pages every layer
         for r in range(rows):
             pages = [r * per_row + j for j in range(per_row)] if consecutive else [j * rows + r for j in range(per_row)]
             self.pool.set_row(r, pages, 0)
@@ -131,10 +134,10 @@ class RunnerBench:
 
 
 def bench(path: str, batches: list[int], contexts: list[int], prefills: list[int], steps: int,
-          page_size: int, consecutive: bool, attention: str) -> dict:
+          page_size: int, consecutive: bool, attention: str, decode_path: str = "auto") -> dict:
     max_b = max(batches)
     max_len = max(contexts + prefills) + steps + 4
-    rb = RunnerBench(path, max_b, max_len, page_size, consecutive, attention)
+    rb = RunnerBench(path, max_b, max_len, page_size, consecutive, attention, decode_path)
     try:
         model, vocab = rb.runner.model, rb.runner.config.vocab_size
         g = torch.Generator().manual_seed(0)
@@ -220,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--consecutive", action="store_true", help="give each row consecutive pages")
     p.add_argument("--attention", default="auto", help="runner attention backend")
+    p.add_argument("--decode-path", default="auto", choices=["auto", "gather"],
+                   help="gather: the torch backend gathers decode rows' pages every layer (no decode mirror)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--transformers", action="store_true", help="also time transformers' forward at --contexts[0]")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -235,11 +240,11 @@ def main(argv: list[str] | None = None) -> int:
             from ferroxmp.tiny_model import build_model
             path = build_model(a.shape, os.path.join(tmp, a.shape))
         results = {"runner_vs_floor": bench(path, batches, contexts, prefills, a.steps, a.page_size,
-                                            a.consecutive, a.attention)}
+                                            a.consecutive, a.attention, a.decode_path)}
         if a.transformers:
             results["transformers"] = bench_transformers(path, contexts[0], batches, a.steps)
     cpu = os.times()
-    meta = {"model": a.model or a.shape, "threads": a.threads, "torch": torch.__version__,
+    meta = {"model": a.model or a.shape, "threads": a.threads, "torch": torch.__version__, "decode_path": a.decode_path,
             "pages": "consecutive" if a.consecutive else "interleaved", "load_before": load0,
             "load_after": os.getloadavg()[0], "wall_s": time.time() - t0,
             "cores_used": (cpu.user + cpu.system) / max(1e-9, time.time() - t0)}
