@@ -138,9 +138,11 @@ def _filter(scaled: torch.Tensor, rows: Sequence[RowSample]) -> torch.Tensor:
     min_p = torch.tensor([r.params.min_p for r in rows], device=dev, dtype=torch.float32)
     probs = torch.softmax(scaled, dim=-1)
     drop = torch.zeros_like(scaled, dtype=torch.bool)
-    if bool((min_p > 0).any()):
+    # Which filters run is decided from the host-side params: asking the device tensors
+    # would wait for the GPU (a sync per step).
+    if any(r.params.min_p > 0 for r in rows):
         drop |= probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    if any(min(r.params.top_k, scaled.shape[1]) > 0 or r.params.top_p < 1 for r in rows):
         sorted_p, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(scaled.shape[1], device=dev)[None, :]
         drop_sorted = (top_k[:, None] > 0) & (rank >= top_k[:, None])
