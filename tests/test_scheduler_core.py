@@ -326,3 +326,50 @@ def test_a_request_counts_travel_with_its_first_tokens_and_its_last_row_out(stub
         assert (o.prompt_tokens, o.cached_tokens) == (67, 64) and o.queue_time > 0
     assert outs[-1].finish_reason == "length"
     assert all((o.prompt_tokens, o.cached_tokens, o.queue_time) == (0, 0, 0.0) for o in outs[1:-1])
+
+
+def test_a_request_that_cannot_fit_walks_no_tree_leaves_step_after_step(stub):
+    """The tree counts the pages a prefilling row has published as evictable, but the
+    row still holds them: eviction can free none. Admission must see that from the
+    counters and not walk the tree's leaves for every waiting request each step (the
+    walk cost ~1 ms per candidate with a long queue); the request is admitted once
+    the hog is done, and nothing is lost."""
+    eng = stub(num_pages=64, max_batch_tokens=8, max_rows=4)
+    hog = eng.submit(list(range(10, 170)), 4)  # 160 tokens: 40 pages, published 2 per step
+    for _ in range(6):
+        eng.step()
+    tree = eng.core.cache.tree
+    assert tree.evictable_pages > 0 and eng.core.cache.pages_cached == 0, "the test needs row-held tree pages"
+    big = eng.submit(list(range(300, 420)), 2)  # 30 pages: more than free, unless eviction could help
+    assert eng.pool.free_count < 30 <= eng.pool.free_count + tree.evictable_pages
+    walks = []
+    evict = tree.evict
+    tree.evict = lambda n: walks.append(n) or evict(n)
+    while eng.request(hog) is not None and eng.request(hog).state != State.FINISHED:
+        eng.step()
+        assert eng.request(big).state == State.WAITING
+    assert walks == [], f"eviction walked the tree {len(walks)} times though it could free nothing"
+    eng.run_to_idle()
+    assert eng.finish_reason(hog) == eng.finish_reason(big) == "length"
+
+
+def test_with_no_page_to_spare_the_queue_is_not_scored(stub):
+    """Every admission needs a fresh page beyond the decode rows' reserve; while the
+    pool has none, admission must not match waiting requests against the tree at all
+    (rows are free, so only the pages can tell). Once the hog ends, the queue goes in."""
+    eng = stub(num_pages=16, max_rows=4, max_batch_tokens=64)
+    hog = eng.submit(list(range(10, 70)), 4)  # 60 + 4 tokens: all 16 pages by its end
+    eng.step()
+    waiting = [eng.submit(list(range(100 + 20 * i, 110 + 20 * i)), 2) for i in range(3)]
+    cache = eng.core.cache
+    matches = []
+    match = cache.match
+    cache.match = lambda req: matches.append(req.rid) or match(req)
+    while eng.request(hog) is not None and eng.request(hog).state != State.FINISHED:
+        assert cache.available_pages <= 1, "the test needs a pool with nothing to spare"
+        eng.step()
+        assert all(eng.request(r).state == State.WAITING for r in waiting)
+    assert matches == [], f"the queue was scored {len(matches)} times with no page to spare"
+    del cache.match
+    eng.run_to_idle()
+    assert all(eng.finish_reason(r) == "length" for r in [hog] + waiting)

@@ -10,8 +10,10 @@ Scenarios (issue 13):
   a  256 decoding rows + 512 waiting 4k-token prompts (no row free: admission can do nothing)
   b  a warm burst of 64 requests sharing a 1k-token prefix the tree already holds
   c  1,000 short requests arriving at once
+  d  rows free but the pool short: 64 decoding rows, 512 waiting 4k-token prompts, 2,000 pages
+     (two prompts fit and prefill, publishing pages they still hold; the rest must wait)
 
-    .venv/bin/python tools/bench_scheduler.py [--scenarios abc] [--json out.json]
+    .venv/bin/python tools/bench_scheduler.py [--scenarios abcd] [--json out.json]
 
 CPU time is the process's (time.process_time), so a busy machine inflates it less than
 wall time would; it is still a shared-machine figure when other work runs.
@@ -174,10 +176,26 @@ def scenario_c(n: int = 1000) -> dict:
         h.close()
 
 
+def scenario_d(turns: int) -> dict:
+    """Rows are free, pages are not: admission is tried every step for a long queue."""
+    h = Harness(num_pages=2_000, max_rows=300)
+    try:
+        for _ in range(64):
+            h.submit(h.rng.integers(10, VOCAB, 128, dtype=np.int32), 4000)
+        h.run(20, record=False)
+        for _ in range(512):
+            h.submit(h.rng.integers(10, VOCAB, 4096, dtype=np.int32), 16)
+        h.run(turns)
+        s = h.core.stats()
+        return _summary(h, running=s.running, waiting=s.waiting)
+    finally:
+        h.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--scenarios", default="abc")
-    ap.add_argument("--turns-a", type=int, default=100, help="measured turns in scenario a")
+    ap.add_argument("--scenarios", default="abcd")
+    ap.add_argument("--turns-a", type=int, default=100, help="measured turns in scenarios a and d")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--label", default="", help="a note stored with the results")
     args = ap.parse_args()
@@ -189,6 +207,8 @@ def main() -> None:
         out["b"] = scenario_b()
     if "c" in args.scenarios:
         out["c"] = scenario_c()
+    if "d" in args.scenarios:
+        out["d"] = scenario_d(args.turns_a)
     text = json.dumps(out, indent=1)
     print(text)
     if args.json:

@@ -72,14 +72,17 @@ def plan_batch(waiting: list[Request], live: Iterable[Request], cache: CacheMana
         budget -= chunk
 
     if budget > 0 and waiting and cache.free_rows and not retract:
-        # Until its last chunk reports back (computed, not merely scheduled), a prefix
-        # is not in the tree yet.
-        active = (State.PREFILLING, State.DECODING)
-        unpublished = [r for r in live if not r.retracting and r.state in active
-                       and r.computed < r.prefill_target]
         reserve = sum(1 for r in live if not r.retracting and r.state is State.DECODING
                       and r.sampled_scheduled + r.sampled_before < r.params.max_tokens)
-        _admit(plan, waiting, unpublished, cache, budget, now, aging_s, reserve=reserve)
+        # Every admission needs at least one fresh page beyond the decode rows' reserve:
+        # without one, the queue is not even scored.
+        if cache.available_pages > reserve:
+            # Until its last chunk reports back (computed, not merely scheduled), a
+            # prefix is not in the tree yet.
+            active = (State.PREFILLING, State.DECODING)
+            unpublished = [r for r in live if not r.retracting and r.state in active
+                           and r.computed < r.prefill_target]
+            _admit(plan, waiting, unpublished, cache, budget, now, aging_s, reserve=reserve)
     return plan
 
 

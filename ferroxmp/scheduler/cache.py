@@ -68,8 +68,13 @@ class CacheManager:
 
     @property
     def available_pages(self) -> int:
-        """Pages an allocation could get now: free, plus what eviction may free."""
-        return self.pool.free_count + (self.tree.evictable_pages if self.tree else 0)
+        """At most the pages an allocation could get now: free, plus what eviction may
+        free. Eviction frees only pages held by the tree alone (`pages_cached`) in
+        unlocked leaves (`evictable_pages` also counts pages a prefilling row published
+        and still holds), so the smaller of the two bounds it."""
+        if self.tree is None:
+            return self.pool.free_count
+        return self.pool.free_count + min(self.tree.evictable_pages, self.pages_cached)
 
     @property
     def pages_cached(self) -> int:
@@ -91,6 +96,11 @@ class CacheManager:
         tokens = self.tree.peek(req.tokens[:n - 1], req.salt)
         req.cache_match = (self.tree.version, n, tokens)
         return tokens
+
+    def pages_needed(self, req) -> int:
+        """Fresh pages an admission of `req` would allocate now (its known tokens, less
+        the pages it would adopt)."""
+        return pages_for(req.known_len, self.page_size) - self.match(req) // self.page_size
 
     # -- writes --------------------------------------------------------------------
 
@@ -117,7 +127,11 @@ class CacheManager:
         self.pages_in_use -= int(np.count_nonzero(refs[idx] == 0))
 
     def _alloc(self, n: int) -> Optional[list[int]]:
-        """n fresh pages, evicting least-recently-used tree leaves first if needed."""
+        """n fresh pages, evicting least-recently-used tree leaves first if needed. Not
+        even tried beyond `available_pages`: a walk over the tree's leaves that cannot
+        free enough would run for every candidate and decode row, every step."""
+        if n > self.available_pages:
+            return None
         if n > self.pool.free_count and self.tree is not None:
             self.tree.evict(n - self.pool.free_count)
         return self.pool.alloc(n)
@@ -130,7 +144,7 @@ class CacheManager:
         matched = self.match(req)
         # Pages first, from the remembered match: a request that cannot fit touches
         # nothing in the tree (no LRU touch, no split, no lock), however often it is tried.
-        if self.available_pages - (pages_for(req.known_len, self.page_size) - matched // self.page_size) < reserve:
+        if self.available_pages - self.pages_needed(req) < reserve:
             return None
         node, adopted = None, []
         if matched > 0:
