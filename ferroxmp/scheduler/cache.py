@@ -15,8 +15,7 @@ Its interface is the radix contract (DESIGN.md):
 A request holds a `CacheHandle` (opaque outside this module). Invariants:
 - a live handle holds exactly one ref on every page in `pages` (-1: released by
   the window), and its page-table row lists those pages;
-- `row_refs[p]` counts the live handles holding page p, so pages in use (held by
-  a row) and pages cached (held only by the tree) are known without a walk;
+- `row_refs` counts the live handles holding each page (`rowrefs.py`);
 - the tree holds one ref per page it stores; an adopted path stays locked.
 """
 from __future__ import annotations
@@ -28,9 +27,7 @@ import numpy as np
 
 from ferroxmp.radix.pages import PagePool
 from ferroxmp.radix.tree import RadixCache
-
-
-_VECTOR_MIN = 32  # page lists this long go through numpy
+from ferroxmp.scheduler.rowrefs import RowRefs
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -57,14 +54,9 @@ class CacheManager:
         self.tree: Optional[RadixCache] = RadixCache(self.pool, self.page_size) if self.radix else None
         self.free_rows = list(range(self.pool.max_rows - 1, -1, -1))
         self.handles: dict[int, CacheHandle] = {}  # row -> handle
-        self.row_refs = np.zeros(self.pool.num_pages, np.int32)
-        self.pages_in_use = 0  # pages with row_refs > 0
+        self.row_refs = RowRefs(self.pool.num_pages)  # live rows holding each page
 
     # -- reads ---------------------------------------------------------------------
-
-    @property
-    def version(self) -> int:
-        return self.tree.version if self.tree is not None else 0
 
     @property
     def available_pages(self) -> int:
@@ -75,6 +67,11 @@ class CacheManager:
         if self.tree is None:
             return self.pool.free_count
         return self.pool.free_count + min(self.tree.evictable_pages, self.pages_cached)
+
+    @property
+    def pages_in_use(self) -> int:
+        """Pages held by at least one row."""
+        return self.row_refs.in_use
 
     @property
     def pages_cached(self) -> int:
@@ -103,28 +100,6 @@ class CacheManager:
         return pages_for(req.known_len, self.page_size) - self.match(req) // self.page_size
 
     # -- writes --------------------------------------------------------------------
-
-    def _hold(self, pages: list[int]) -> None:
-        refs = self.row_refs
-        if len(pages) < _VECTOR_MIN:  # a decode row's one new page: numpy would cost more
-            for p in pages:
-                self.pages_in_use += int(refs[p] == 0)
-                refs[p] += 1
-            return
-        idx = np.asarray(pages, np.int64)  # distinct within a row
-        self.pages_in_use += int(np.count_nonzero(refs[idx] == 0))
-        refs[idx] += 1
-
-    def _unhold(self, pages: list[int]) -> None:
-        refs = self.row_refs
-        if len(pages) < _VECTOR_MIN:
-            for p in pages:
-                refs[p] -= 1
-                self.pages_in_use -= int(refs[p] == 0)
-            return
-        idx = np.asarray(pages, np.int64)
-        refs[idx] -= 1
-        self.pages_in_use -= int(np.count_nonzero(refs[idx] == 0))
 
     def _alloc(self, n: int) -> Optional[list[int]]:
         """n fresh pages, evicting least-recently-used tree leaves first if needed. Not
@@ -160,7 +135,7 @@ class CacheManager:
             return None
         self.pool.retain(adopted)
         pages = adopted + fresh
-        self._hold(pages)
+        self.row_refs.hold(pages)
         row = self.free_rows.pop()
         handle = CacheHandle(row, pages, len(adopted) * self.page_size, node, published=len(adopted))
         self.pool.set_row(row, pages, handle.adopted)
@@ -177,7 +152,7 @@ class CacheManager:
             return False
         start = len(handle.pages)
         handle.pages.extend(fresh)
-        self._hold(fresh)
+        self.row_refs.hold(fresh)
         self.pool.page_table[handle.row, start:start + need] = fresh
         return True
 
@@ -192,7 +167,7 @@ class CacheManager:
             rows.append(h.row)
             cols.append(len(h.pages))
             h.pages.append(page)
-        self._hold(fresh)
+        self.row_refs.hold(fresh)
         self.pool.page_table[rows, cols] = fresh
         return True
 
@@ -218,7 +193,7 @@ class CacheManager:
         h: CacheHandle = req.cache
         self.publish(req)
         held = [p for p in h.pages if p >= 0]
-        self._unhold(held)
+        self.row_refs.unhold(held)
         self.pool.release(held)
         if h.lock is not None:
             self.tree.unlock(h.lock)
@@ -235,7 +210,7 @@ class CacheManager:
         dropped = [p for p in h.pages[:n] if p >= 0]
         if not dropped:
             return 0
-        self._unhold(dropped)
+        self.row_refs.unhold(dropped)
         self.pool.release(dropped)
         h.pages[:n] = [-1] * n
         self.pool.page_table[h.row, :n] = -1
@@ -267,7 +242,7 @@ class CacheManager:
         self.pool.check_integrity(holders)
         if self.tree is not None:
             self.tree.check_integrity()
-        assert (rows == self.row_refs).all(), "row_refs disagree with the handles"
+        assert (rows == self.row_refs.counts).all(), "row_refs disagree with the handles"
         assert self.pages_in_use == int(np.count_nonzero(rows)), "pages_in_use drifted"
         assert len(self.free_rows) + len(self.handles) == self.pool.max_rows, "row slot leaked"
         assert len(set(self.free_rows)) == len(self.free_rows), "row slot freed twice"

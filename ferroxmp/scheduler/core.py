@@ -218,12 +218,6 @@ class SchedulerCore:
     def idle(self) -> bool:
         return not self.waiting and not self.live and not self.inflight
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting) or any(
-            r.state in (State.PREFILLING, State.DECODING) and not r.retracting and not r.done_sampling
-            for r in self.live.values())
-
     def stats(self) -> Stats:
         """Counters kept as they change: no walk over the tree or the pool."""
         s = Stats(**{f: getattr(self.totals, f) for f in self.totals.__struct_fields__})
