@@ -31,8 +31,13 @@ import signal
 import sys
 from typing import Optional
 
-import torch
-import zmq
+# OpenMP reads its wait policy once, when torch loads it. PASSIVE: an idle intra-op
+# thread sleeps instead of spinning; with other processes on the same cores the default
+# (spin) gave 0.38x the output tok/s (docs/BENCHMARKS.md section 9). Set it to override.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import zmq  # noqa: E402
 
 from .. import protocol
 from ..config import ServerArgs, setup_logging, watch_parent
