@@ -152,3 +152,12 @@ def test_the_first_op_that_varies_is_found_and_deterministic_mode_removes_it(tin
     assert default, "no op varied in default mode: the measurement (or the premise) is broken"
     assert all(d[0].startswith(("linear", "attention")) for d in default), default
     assert [d for (det, _), d in found.items() if det and d is not None] == []
+
+
+def test_deterministic_with_tensor_parallel_ranks_is_refused_by_name():
+    """The follower ranks build the default kernels: accepting --deterministic with
+    --tp > 1 would promise bits it does not keep."""
+    from ferroxmp.config import ServerArgs
+    with pytest.raises(ValueError, match="--deterministic"):
+        ServerArgs(deterministic=True, tp=2).validate()
+    ServerArgs(deterministic=True).validate()

@@ -37,7 +37,7 @@ import torch
 from .attention import AttentionBackend, StepPlan
 
 Q_TILE = 4  # query rows per gemm micro-tile on this CPU (fp32 and bf16): pad to a multiple
-TILE_TOKENS = 64  # a chunk's queries per tile (bounds the score matrix; tests shrink it)
+TILE_TOKENS = 256  # a chunk's queries per tile (bounds the score matrix; tests shrink it)
 
 
 @dataclass
