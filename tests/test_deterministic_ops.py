@@ -126,7 +126,8 @@ def first_difference(base: dict, other: dict):
     return None
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tiny_model,dtype", [("llama", "float32"), ("llama", "bfloat16"), ("qwen2", "float32"),
+                                              ("qwen3", "bfloat16")], indirect=["tiny_model"])
 def test_the_first_op_that_varies_is_found_and_deterministic_mode_removes_it(tiny_model, make_harness,
                                                                              monkeypatch, dtype):
     """Default mode: some batch mix or chunk split changes some op's bits for the same

@@ -5,7 +5,7 @@ other rows are and however many there are; `check_linear(w)` verifies that on th
 torch build and these shapes (the worker runs it at startup in deterministic mode and
 refuses to start if it fails, rather than serve a mode that does not hold).
 
-What varies (measured on this machine, torch 2.13 CPU, 2 threads, tests/test_deterministic.py
+What varies (measured on this machine, torch 2.13 CPU, 2 threads; tests/test_deterministic_ops.py
 `test_the_first_op_that_varies_is_found_and_deterministic_mode_removes_it` traces every
 op of the real model per (row, position) and reports the first one whose bits differ):
 - F.linear, float32: a row's output has one of three bit patterns, by where the row sits
