@@ -193,11 +193,11 @@ def make_backend(kv, window: Optional[int], device: torch.device, name: str = "a
     if name == "torch":
         from .attn_cpu import TorchBackend
         return TorchBackend(kv, window, num_heads)
-    if name == "triton":
-        from .attn_triton import TritonBackend
     if name == "det":  # --deterministic: bits independent of batch and chunking (attn_det.py)
         from .attn_det import DeterministicBackend
         return DeterministicBackend(kv, window, num_heads)
+    if name == "triton":
+        from .attn_triton import TritonBackend
         return TritonBackend(kv, window, num_heads)
     if name == "flashinfer":
         from .attn_flashinfer import FlashInferBackend
