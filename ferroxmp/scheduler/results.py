@@ -39,15 +39,8 @@ def apply_decode(batch: InFlight, tokens: list[int], logprobs: dict,
             continue
         if start >= req.computed:
             req.computed = start + 1
-        out = req.output
-        out.append(token)
+        _append(req, token, logprobs.get(row) if logprobs else None)
         n += 1
-        if logprobs and (lp := logprobs.get(row)) is not None:
-            req.pending_logprobs.append(lp)
-        if token in req.stops:
-            req.finish("stop")
-        elif len(out) >= req.params.max_tokens:
-            req.finish("length")
         news[req.rid] = req
         if req.inflight == 0 and (req.state is finished or req.retracting):
             ended.append(req)
