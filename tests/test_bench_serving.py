@@ -46,7 +46,8 @@ def test_percentiles_agree_with_the_standard_librarys_inclusive_quantiles():
 
 def test_a_single_value_is_every_percentile_and_no_values_give_none():
     assert bench.percentile([4.0], 99) == 4.0
-    assert bench.stats_ms([]) == {"mean": None, "median": None, "p99": None}
+    assert bench.stats_ms([]) == {"mean": None, "median": None, "p99": None, "max": None}
+    assert bench.stats_ms([0.004]) == {"mean": 4.0, "median": 4.0, "p99": 4.0, "max": 4.0}
 
 
 def test_ttft_itl_tpot_and_e2e_come_from_the_timestamps_and_the_usage_count():
