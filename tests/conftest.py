@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import os
 
+# Triton reads TRITON_INTERPRET once, when first imported; any test module may import it
+# (test_gpu_check, test_triton_attention), so set it before all of them: kernels run on
+# CPU tensors here. A GPU run sets TRITON_INTERPRET=0 itself (tools/gpu_check.sh).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 
 from ferroxmp.tiny_model import TINY_SHAPES, build_model

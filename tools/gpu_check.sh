@@ -34,7 +34,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 mkdir -p "$OUT"
-if [[ $DRY == 1 ]]; then export TRITON_INTERPRET=1; fi
+if [[ $DRY == 1 ]]; then export TRITON_INTERPRET=1; else export TRITON_INTERPRET=0; fi  # tests/conftest.py defaults it to 1
 "$PY" - "$DRY" "$OUT" <<'PYEOF'
 import importlib.util, json, os, statistics, sys, tempfile, time
 import numpy as np
