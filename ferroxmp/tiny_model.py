@@ -25,6 +25,7 @@ import shutil
 import sysconfig
 import tempfile
 import zlib
+from typing import Optional
 
 import torch
 from safetensors.torch import save_file
@@ -189,8 +190,10 @@ def _write_json(path: str, obj: dict) -> None:
         f.write("\n")
 
 
-def build_model(shape: str, out_dir: str, seed: int = 0) -> str:
-    """Write a random-weight checkpoint of `shape` into `out_dir`; returns `out_dir`."""
+def build_model(shape: str, out_dir: str, seed: int = 0, dtype: Optional[str] = None) -> str:
+    """Write a random-weight checkpoint of `shape` into `out_dir`; returns `out_dir`.
+    `dtype` overrides the shape's own (the same draw, cast: benchmarks on CPUs without
+    native bf16 matmul run the smol-135m shape in float32)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
     vocab_target = {**_TINY, **SHAPES[shape][2]}["vocab"]
@@ -198,6 +201,8 @@ def build_model(shape: str, out_dir: str, seed: int = 0) -> str:
     vocab_size = len(json.loads(tok_json)["model"]["vocab"])
     vocab_size = max(vocab_size, len(SPECIAL_TOKENS))
     cfg = _config(shape, vocab_size)
+    if dtype is not None:
+        cfg["torch_dtype"] = dtype
     os.makedirs(out_dir, exist_ok=True)
     _write_json(os.path.join(out_dir, "config.json"), cfg)
     save_file(_weights(shape, cfg, seed), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})

@@ -14,7 +14,7 @@ import torch
 
 from ferroxmp.config import parse_server_args
 from ferroxmp.gpu_worker.cuda_graphs import PinnedStager, graph_batch_sizes, pad_rows, padded_batch_size
-from ferroxmp.gpu_worker.gpu_memory import KVBudget, activation_bytes
+from ferroxmp.gpu_worker.gpu_memory import KVBudget, activation_bytes, profile_lengths, profile_pages
 
 
 @pytest.mark.parametrize("max_rows", [1, 3, 16, 100, 256, 1000])
@@ -108,3 +108,59 @@ def test_the_worker_process_sets_openmp_to_passive_waiting_before_torch_loads_un
     code = "import sys; import ferroxmp, ferroxmp.gpu_worker; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("tokens,rows,max_len", [(8192, 256, 8192), (100, 256, 4096), (8192, 4, 1000),
+                                                 (7, 3, 100), (1, 1, 1)])
+def test_the_profiling_step_is_the_largest_the_scheduler_may_send(tokens, rows, max_len):
+    lengths = profile_lengths(tokens, rows, max_len)
+    assert 1 <= len(lengths) <= rows and all(1 <= n <= max_len for n in lengths)
+    assert sum(lengths) == min(tokens, len(lengths) * max_len)  # every budgeted token, unless no row may hold it
+    assert len(lengths) == min(rows, tokens)  # as many sampling rows as may run: the widest logits
+    assert profile_pages(lengths, 16) == sum(-(-n // 16) for n in lengths)
+
+
+def _greedy(runner, pool, prompt: list[int], steps: int) -> list[int]:
+    from ferroxmp.protocol import ForwardBatch, NewRow, RowStep, SamplingParams, pack_ids, unpack_ids
+    pool.set_row(0, list(range(pool.max_pages_per_row)), 0)
+    out, n = [], len(prompt)
+    res = runner.execute(ForwardBatch(1, [NewRow(0, pack_ids(prompt), SamplingParams(temperature=0.0), 0)],
+                                      [RowStep(0, 0, n, True)]))
+    out.append(int(unpack_ids(res.tokens)[0]))
+    for i in range(steps - 1):
+        res = runner.execute(ForwardBatch(2 + i, [], [RowStep(0, n + i, 1, True)]))
+        assert res.error is None and not res.row_errors
+        out.append(int(unpack_ids(res.tokens)[0]))
+    return out
+
+
+def test_a_runner_profiled_over_a_small_pool_then_attached_to_the_real_one_decodes_as_a_fresh_one(tiny_models):
+    """The worker's CUDA sizing path (gpu_memory.measure), run on CPU: load over a probe
+    pool, run the largest step, re-attach; the pages and rows the probe used are gone and
+    the output equals a runner built on the real pool from the start."""
+    from ferroxmp.gpu_worker.runner import ModelRunner
+    from ferroxmp.radix.pages import PagePool
+    lengths = profile_lengths(96, 4, 4096)
+    probe = PagePool.create(profile_pages(lengths, 16), max_rows=4, max_pages_per_row=8)
+    real = PagePool.create(num_pages=8, max_rows=4, max_pages_per_row=8)
+    try:
+        r = ModelRunner(tiny_models["llama"], probe, 16, device="cpu")
+        r.profile_step(lengths)
+        assert (probe.page_table == -1).all() and not r.rows  # nothing of the probe outlives it
+        with pytest.raises(ValueError, match="needs"):
+            r.profile_step(profile_lengths(1000, 4, 4096))  # more than the probe pool holds
+        assert r.attach_pool(real) is r and r.kv.num_pages == 8 and r.pool is real
+        prompt = [5, 9, 11, 3, 7, 2, 8]
+        got = _greedy(r, real, prompt, 6)
+        fresh = ModelRunner(tiny_models["llama"], real, 16, device="cpu")
+        assert got == _greedy(fresh, real, prompt, 6)
+    finally:
+        for p in (probe, real):
+            p.close()
+            p.unlink()
+
+
+def test_the_budget_line_says_whether_it_was_measured():
+    est = KVBudget(80 << 30, 0.9, 16 << 30, 2 << 30, 1 << 20)
+    assert "estimated before loading" in est.describe()
+    assert "measured after loading" in KVBudget(80 << 30, 0.9, 16 << 30, 2 << 30, 1 << 20, measured=True).describe()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write a random-weight Hugging Face checkpoint (see ferroxmp/tiny_model.py).
 
-    tools/make_tiny_model.py --shape qwen3 --out /tmp/qwen3-tiny [--seed N]
+    tools/make_tiny_model.py --shape qwen3 --out /tmp/qwen3-tiny [--seed N] [--dtype float32]
 """
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", required=True, choices=sorted(SHAPES))
     p.add_argument("--out", required=True, help="output folder (created)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="override the shape's dtype (the same random draw, cast)")
     a = p.parse_args(argv)
-    print(build_model(a.shape, a.out, a.seed))
+    print(build_model(a.shape, a.out, a.seed, a.dtype))
     return 0
 
 

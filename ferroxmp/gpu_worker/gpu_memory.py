@@ -1,10 +1,12 @@
-"""How much CUDA memory the KV pool gets from --mem-fraction: pure arithmetic, logged.
+"""How much CUDA memory the KV pool gets from --mem-fraction, measured after loading, logged.
 
 Job: `--mem-fraction` of the device memory free when the worker starts is for this
-worker's weights, its activations and the KV pool; the pool gets what is left after the
-weights (their exact byte count: measured once loaded, else read from the checkpoint)
-and an upper estimate of one step's activations. `KVBudget` keeps every term so the
-log line shows the arithmetic.
+worker's weights, its activations and the KV pool. With one rank the worker loads the
+weights over a small pool, runs the largest step the scheduler may send
+(`profile_lengths`) and reads both terms off the allocator (`measure`): the pool gets
+what is left. Under --tp the ranks agree on a size before loading, so there the terms
+are the checkpoint's byte count and `activation_bytes`, an upper estimate. `KVBudget`
+keeps every term so the log line shows the arithmetic.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ class KVBudget:
     weights: int  # bytes of this worker's weights
     activations: int  # upper estimate of one step's scratch
     bytes_per_page: int
+    measured: bool = False  # weights and activations read off the allocator, not estimated
 
     @property
     def kv_bytes(self) -> int:
@@ -32,7 +35,8 @@ class KVBudget:
     def describe(self) -> str:
         return (f"KV pool {self.pages} pages ({self.kv_bytes / GiB:.2f} GiB) = {self.mem_fraction} x "
                 f"{self.free_at_start / GiB:.2f} GiB free - weights {self.weights / GiB:.2f} GiB - "
-                f"activations {self.activations / GiB:.2f} GiB")
+                f"activations {self.activations / GiB:.2f} GiB "
+                f"({'measured after loading' if self.measured else 'estimated before loading'})")
 
 
 def activation_bytes(hidden: int, qkv_width: int, intermediate: int, vocab: int, max_batch_tokens: int,
@@ -63,3 +67,32 @@ def after_load(device) -> str:
     return (f"after loading: this worker holds {torch.cuda.memory_allocated(device) / GiB:.2f} GiB "
             f"(reserved {torch.cuda.memory_reserved(device) / GiB:.2f} GiB); the device has "
             f"{free / GiB:.2f} of {total / GiB:.2f} GiB free")
+
+
+def profile_lengths(max_batch_tokens: int, max_rows: int, max_len: int) -> list[int]:
+    """Rows of the largest step the scheduler may send: --max-batch-tokens split over as
+    many rows as may run (each samples, so the logits are as wide as they get), none
+    longer than the model's context."""
+    rows = max(1, min(max_rows, max_batch_tokens))
+    base, extra = divmod(max_batch_tokens, rows)
+    lengths = [min(max_len, base + (r < extra)) for r in range(rows)]
+    return [n for n in lengths if n > 0]
+
+
+def profile_pages(lengths: list[int], page_size: int) -> int:
+    return sum(-(-n // page_size) for n in lengths)
+
+
+def measure(runner, lengths: list[int], free_at_start: int, mem_fraction: float) -> KVBudget:
+    """Run the profiling step on `runner` (weights loaded, a pool of profile_pages) and
+    read the weights and the step's peak scratch off the CUDA allocator."""
+    import torch
+    device = runner.device
+    torch.cuda.synchronize(device)
+    held = torch.cuda.memory_allocated(device)  # weights + the small KV pool
+    torch.cuda.reset_peak_memory_stats(device)
+    runner.profile_step(lengths)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - held
+    bytes_per_page = runner.kv.nbytes // runner.kv.num_pages
+    return KVBudget(free_at_start, mem_fraction, held - runner.kv.nbytes, peak, bytes_per_page, measured=True)

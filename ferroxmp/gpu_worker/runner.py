@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from ..protocol import BatchResult, ForwardBatch, ProtocolError, RowStep, SamplingParams, pack_ids, unpack_ids
+from ..protocol import (BatchResult, ForwardBatch, NewRow, ProtocolError, RowStep, SamplingParams, pack_ids,
+                        unpack_ids)
 from ..radix.pages import PagePool
 from .attention import PlanError, backend_layout, make_backend
 from .isolation import fail_batch, skip_failed
@@ -72,23 +73,66 @@ class ModelRunner:
             from .batch_invariant import make_deterministic
             make_deterministic(self.model)
             attention = "det"
-        self.pool = pool
         self.page_size = page_size
+        self._shape, self._attention = shape, attention
         # CUDA graphs (decode steps replayed per padded batch size) need one page past the
         # scheduler's for padding rows; never on CPU, under --tp or --deterministic.
-        graphs = cuda_graph and self.device.type == "cuda" and tp is None and not deterministic
-        self.kv = KVPool.for_model(shape, pool.num_pages + graphs, page_size, self.config.dtype, self.device,
-                                   layout=backend_layout(self.device, attention))
-        self.attn = make_backend(self.kv, self.config.sliding_window, self.device, attention,
-                                 num_heads=shape.num_heads)
-        self.graphs = self._decode_graphs(pool) if graphs else None
+        self._graphs_allowed = self.device.type == "cuda" and tp is None and not deterministic
         self.rows: dict[int, RowState] = {}
+        self.attach_pool(pool, cuda_graph)
         self.failed: dict[int, str] = {}  # row -> why; its steps are skipped until a NewRow restarts it
         self.faults = None  # test-only fault injection (faults.py), set by the worker process
         self.keep_logits = keep_logits  # debug/tests: keep each step's logits for `last_logits`
         self._logits: Optional[torch.Tensor] = None  # the last step's, left on the device
         self.model_path = model_path
         self._grammars: Optional["GrammarCache"] = None  # built on the first constrained row
+
+    def attach_pool(self, pool: PagePool, cuda_graph: bool = True) -> "ModelRunner":
+        """Allocate the KV pool (and the backend and CUDA graphs over it) for `pool`'s pages,
+        dropping any earlier one: the worker sizes the real pool on CUDA after profiling a
+        step over a small one (gpu_memory.py). Every row is forgotten."""
+        self.kv = self.attn = self.graphs = None  # free the old pool before allocating the new
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.pool = pool
+        self.rows.clear()
+        graphs = cuda_graph and self._graphs_allowed
+        self.kv = KVPool.for_model(self._shape, pool.num_pages + graphs, self.page_size,
+                                   self.config.dtype, self.device,
+                                   layout=backend_layout(self.device, self._attention))
+        self.attn = make_backend(self.kv, self.config.sliding_window, self.device, self._attention,
+                                 num_heads=self._shape.num_heads)
+        self.graphs = self._decode_graphs(pool) if graphs else None
+        return self
+
+    def profile_step(self, lengths: list[int]) -> None:
+        """One prefill step of len(lengths) rows, each sampling (the largest step the
+        scheduler may send: --max-batch-tokens over up to --max-running-requests rows), on
+        consecutive pages of the pool. Writes the pool's page table, so only before the
+        scheduler attaches; the rows are forgotten after."""
+        pages = [-(-n // self.page_size) for n in lengths]
+        if sum(pages) > self.pool.num_pages or max(pages) > self.pool.max_pages_per_row:
+            raise ValueError(f"profiling rows of {lengths[:4]}... tokens needs {sum(pages)} pages, up to "
+                             f"{max(pages)} a row; the pool has {self.pool.num_pages}, "
+                             f"{self.pool.max_pages_per_row} a row")
+        first = np.cumsum([0] + pages)
+        for row, k in enumerate(pages):
+            self.pool.page_table[row, :k] = np.arange(first[row], first[row] + k)
+        ids = np.random.default_rng(0).integers(0, self.config.vocab_size, sum(lengths), dtype=np.int32)
+        cuts = np.cumsum([0] + lengths)
+        params = SamplingParams(max_tokens=1)
+        batch = ForwardBatch(batch_id=-1, steps=[RowStep(r, 0, n, True) for r, n in enumerate(lengths)],
+                             new_rows=[NewRow(r, pack_ids(ids[cuts[r]:cuts[r + 1]]), params)
+                                       for r in range(len(lengths))])
+        try:
+            result = self.execute(batch)
+            if result.error or result.row_errors:
+                raise RuntimeError(f"the profiling step failed: {result.error or result.row_errors}")
+        finally:
+            self.pool.page_table[:len(lengths)] = -1
+            for row in range(len(lengths)):
+                self.rows.pop(row, None)
+                self.attn.forget(row)
 
     @property
     def grammars(self) -> "GrammarCache":

@@ -44,7 +44,8 @@ from ..config import ServerArgs, setup_logging, watch_parent
 from ..liveness import Heartbeat, remove_if_orphaned
 from . import faults
 from ..radix.pages import PagePool
-from .gpu_memory import after_load, cuda_kv_budget
+from .cpu_dtype import slow_dtype_warning
+from .gpu_memory import after_load, cuda_kv_budget, measure, profile_lengths, profile_pages
 from .kv_pool import pages_for_budget
 from .loader import UnsupportedModel, load_config, resolve_device, weight_bytes
 from .runner import ModelRunner
@@ -78,19 +79,13 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
         model_path = ensure_demo_model()
     device = resolve_device(sa.device)
     cfg = load_config(model_path, sa.dtype)
+    if device.type == "cpu" and (warning := slow_dtype_warning(cfg.dtype)):
+        log.warning("%s", warning)
     shape, leader = cfg, None  # --tp > 1: rank 0 of the group (tp_step.py); its KV holds its heads only
     if sa.tp > 1:
         from . import tp_step
         from .tp import Shard
         shape = Shard(cfg, 0, sa.tp).local_config
-    reserved = weight_bytes(model_path, cfg.dtype) // sa.tp if device.type == "cuda" else 0
-    num_pages = pages_for_budget(shape, sa.page_size, cfg.dtype, sa.kv_pages, sa.kv_cache_gb,
-                                 sa.mem_fraction, device, reserved_bytes=reserved)
-    if device.type == "cuda" and sa.kv_pages is None:  # weights and one step's activations first (gpu_memory.py)
-        kvb = cuda_kv_budget(shape, cfg.dtype, sa.page_size, sa.mem_fraction, sa.max_batch_tokens,
-                             sa.max_running_requests, reserved, device)
-        log.info("%s", kvb.describe())
-        num_pages = kvb.pages
     max_model_len = min(sa.max_model_len or math.inf, cfg.max_position_embeddings)
     max_pages_per_row = math.ceil(max_model_len / sa.page_size)
     pool: Optional[PagePool] = None
@@ -98,11 +93,9 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
     try:
         if sa.tp > 1:
             leader = tp_step.Leader(tp_step.join(tp_info, 0, device, sa, cfg))
-            num_pages = tp_step.agree_pages(leader.tp, num_pages, sa, cfg, max_pages_per_row)
-        pool = PagePool.create(num_pages, max_rows=sa.max_running_requests,
-                               max_pages_per_row=max_pages_per_row, name=pool_name)
-        runner = ModelRunner(model_path, pool, sa.page_size, device=sa.device, dtype=sa.dtype, tp=leader,
-                             deterministic=sa.deterministic, cuda_graph=not sa.disable_cuda_graph)
+        pool, runner = _pool_and_runner(sa, cfg, shape, model_path, pool_name, device, leader,
+                                        int(max_model_len), max_pages_per_row)
+        num_pages = pool.num_pages
         if leader is not None:
             leader.attach(runner.attn)  # waits until every rank loaded its shard (then they attach the pool)
         runner.faults = faults.from_env()
@@ -133,6 +126,56 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
             pool.close()
             pool.unlink()
         remove_if_orphaned(run_dir, parent)
+
+
+def _pool_and_runner(sa: ServerArgs, cfg, shape, model_path: str, pool_name: str, device: torch.device,
+                     leader, max_model_len: int, max_pages_per_row: int) -> tuple[PagePool, ModelRunner]:
+    """The shared page pool (named `pool_name`) and the runner over it. On CPU, or with
+    --kv-pages, the size is known before loading. One CUDA rank loads the weights over a
+    small private pool, profiles the largest step and sizes the real pool from what is
+    left (gpu_memory.measure); --tp ranks agree on a size before loading, estimated."""
+    runner_args = dict(device=sa.device, dtype=sa.dtype, tp=leader, deterministic=sa.deterministic,
+                       cuda_graph=not sa.disable_cuda_graph)
+    table = dict(max_rows=sa.max_running_requests, max_pages_per_row=max_pages_per_row)
+    if device.type == "cuda" and sa.kv_pages is None and leader is None:
+        free_at_start = torch.cuda.mem_get_info(device)[0]
+        lengths = profile_lengths(sa.max_batch_tokens, sa.max_running_requests, max_model_len)
+        probe = PagePool.create(profile_pages(lengths, sa.page_size), **table)  # private: no one attaches
+        try:
+            runner = ModelRunner(model_path, probe, sa.page_size, **{**runner_args, "cuda_graph": False})
+            kvb = measure(runner, lengths, free_at_start, sa.mem_fraction)
+        finally:
+            probe.close()
+            probe.unlink()
+        log.info("%s", kvb.describe())
+        if kvb.pages < 2:
+            raise RuntimeError(f"{kvb.describe()}: too small; raise --mem-fraction or pass --kv-pages")
+        pool = PagePool.create(kvb.pages, name=pool_name, **table)
+        return _unlink_on_error(pool, lambda: runner.attach_pool(pool, cuda_graph=runner_args["cuda_graph"]))
+    if device.type == "cuda" and sa.kv_pages is None:
+        kvb = cuda_kv_budget(shape, cfg.dtype, sa.page_size, sa.mem_fraction, sa.max_batch_tokens,
+                             sa.max_running_requests, weight_bytes(model_path, cfg.dtype) // sa.tp, device)
+        log.info("%s", kvb.describe())
+        num_pages = kvb.pages
+    else:
+        num_pages = pages_for_budget(shape, sa.page_size, cfg.dtype, sa.kv_pages, sa.kv_cache_gb,
+                                     sa.mem_fraction, device)
+    if leader is not None:
+        from . import tp_step
+        num_pages = tp_step.agree_pages(leader.tp, num_pages, sa, cfg, max_pages_per_row)
+    pool = PagePool.create(num_pages, name=pool_name, **table)
+    return _unlink_on_error(pool, lambda: ModelRunner(model_path, pool, sa.page_size, **runner_args))
+
+
+def _unlink_on_error(pool: PagePool, build) -> tuple[PagePool, ModelRunner]:
+    """(pool, build()); the pool's shared memory is unlinked if build raises (the caller's
+    own cleanup only sees a pool once this returns)."""
+    try:
+        return pool, build()
+    except BaseException:
+        pool.close()
+        pool.unlink()
+        raise
 
 
 def _serve(runner: ModelRunner, pull: zmq.Socket, results: zmq.Socket, parent_alive, heart: Heartbeat,
