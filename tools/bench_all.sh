@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Reproduces every figure of docs/BENCHMARKS.md on the smol-135m shape.
 #
-#   tools/bench_all.sh [SECTION...]     sections: worker peer radix ttft overlap burst radix-micro
-#                                       (default: all, in that order)
+#   tools/bench_all.sh [SECTION...]     sections: worker peer peer-alone threads radix ttft overlap
+#                                       burst radix-micro
+#                                       (default: worker peer radix ttft overlap radix-micro)
 # Env: MODEL (default /tmp/smol, built with tools/make_tiny_model.py if missing),
 #      OUT (default bench-results/), MAX_BUSY (default 0.3 cores), PEER_THREADS (default 2).
 #
@@ -111,6 +112,36 @@ section_peer() {
         --num-groups 4 --prompts-per-group 8 --system-prompt-len 256 --question-len 32 \
         --output-len 64 --max-concurrency 16 --seed 2 --out "$OUT/peer_shared.json"
     stop_all
+}
+
+RANDOM_W=(--workload random --num-prompts 32 --input-len 256 --output-len 64 --range-ratio 0.25
+          --max-concurrency 16 --seed 1)
+
+section_peer-alone() {  # the same `random` load, each server alone on the machine, one after the other
+    start_ferroxmp alone_A "$A_PORT"
+    measure peer_alone_A "$PY" tools/bench_serving.py --base-url "http://127.0.0.1:$A_PORT" "${RANDOM_W[@]}" \
+        --out "$OUT/peer_alone_A.json"
+    stop_all
+    start_peer alone_B "$B_PORT"
+    measure peer_alone_B "$PY" tools/bench_serving.py --base-url "http://127.0.0.1:$B_PORT" --dialect transformers \
+        "${RANDOM_W[@]}" --out "$OUT/peer_alone_B.json"
+    stop_all
+}
+
+section_threads() {  # the worker's threads (every core vs 1), one server at a time, then 10 s idle
+    # (OMP_WAIT_POLICY=ACTIVE is not in the loop: its idle worker spins a core, so wait_quiet
+    # would wait for nothing; docs/BENCHMARKS.md section 13 measured it by hand.)
+    local name
+    for threads in 0 1; do
+        name="threads_$threads"
+        start_ferroxmp "$name" "$A_PORT" --worker-threads "$threads"
+        measure "$name" "$PY" tools/bench_serving.py --base-url "http://127.0.0.1:$A_PORT" "${RANDOM_W[@]}" \
+            --out "$OUT/$name.json"
+        local before; before=$(cpu_jiffies); sleep 10
+        echo "idle 10 s after the run: machine busy $(busy_cores "$before" "$(cpu_jiffies)") of $(nproc) cores" \
+            | tee -a "$OUT/$name.txt"
+        stop_all
+    done
 }
 
 section_radix() {
