@@ -36,3 +36,7 @@ def test_the_gpu_check_script_runs_every_section_on_a_cpu(tmp_path):
         assert {(model, "transformers"), (model, "ferroxmp/torch"), (model, "ferroxmp/triton")} <= who
     assert report["copy_bandwidth_gbs"] > 0
     assert "| model | who | what |" in open(tmp_path / "gpu_check.md").read()
+    # section 4: the real server started on the device (the CPU here), healthy, answering
+    reply = json.load(open(tmp_path / "server_reply.json"))
+    assert reply["usage"]["completion_tokens"] == 8 and reply["choices"][0]["message"]["role"] == "assistant"
+    assert "serving" in open(tmp_path / "server.log").read()

@@ -15,8 +15,11 @@
 #    bf16, next to transformers' own forward (sdpa, DynamicCache) in the same run; the
 #    achieved memory bandwidth of each decode step (weights + KV read) against the device's
 #    measured copy bandwidth.
+# 4. server: `ferroxmp serve` on the device (smol-135m shape): healthy, a chat completion
+#    answered, and on CUDA the KV pool sized from --mem-fraction *after* loading (the
+#    worker's log line "measured after loading"); the log is kept in DIR/server.log.
 # Writes DIR/gpu_check.json and DIR/gpu_check.md (the table for docs/BENCHMARKS.md).
-# Exit status: non-zero if a kernel or oracle check failed.
+# Exit status: non-zero if a kernel, oracle or server check failed.
 #
 # --dry-run runs the same code on the CPU with tiny sizes (Triton under TRITON_INTERPRET=1),
 # to check the script itself on a machine without a GPU; its figures mean nothing.
@@ -35,6 +38,34 @@ while [[ $# -gt 0 ]]; do
 done
 mkdir -p "$OUT"
 if [[ $DRY == 1 ]]; then export TRITON_INTERPRET=1; else export TRITON_INTERPRET=0; fi  # tests/conftest.py defaults it to 1
+
+# ---- 4 (run first: it needs the device to itself). the server on the device ------------
+server_check() {
+    local device=cuda port=31099 model="$OUT/smol-server" pid ok=0
+    [[ $DRY == 1 ]] && device=cpu
+    [ -d "$model" ] || "$PY" tools/make_tiny_model.py --shape smol-135m --out "$model" >/dev/null
+    "$PY" -m ferroxmp.cli serve --model "$model" --device "$device" --port "$port" --log-level info \
+        >"$OUT/server.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 300); do
+        curl -sf "http://127.0.0.1:$port/health" >/dev/null && { ok=1; break; }
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 1
+    done
+    if [[ $ok == 1 ]]; then
+        curl -sf "http://127.0.0.1:$port/v1/chat/completions" -H 'Content-Type: application/json' \
+            -d '{"messages":[{"role":"user","content":"hi"}],"max_tokens":8,"ignore_eos":true}' \
+            >"$OUT/server_reply.json" || ok=0
+        "$PY" -c 'import json, sys; assert json.load(open(sys.argv[1]))["usage"]["completion_tokens"] == 8' \
+            "$OUT/server_reply.json" 2>/dev/null || ok=0
+    fi
+    if [[ $device == cuda ]] && ! grep -q "measured after loading" "$OUT/server.log"; then ok=0; fi
+    kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true
+    grep -E "KV pool|after loading" "$OUT/server.log" | sed 's/^/  /' || true
+    [[ $ok == 1 ]]
+}
+SERVER_OK=1
+if server_check; then echo "server on the device: ok"; else SERVER_OK=0; echo "server on the device: FAILED (see $OUT/server.log)"; fi
 "$PY" - "$DRY" "$OUT" <<'PYEOF'
 import importlib.util, json, os, statistics, sys, tempfile, time
 import numpy as np
@@ -351,3 +382,4 @@ if failed:
     print("FAILED:", *failed, sep="\n  ")
     sys.exit(1)
 PYEOF
+[[ $SERVER_OK == 1 ]] || exit 1
