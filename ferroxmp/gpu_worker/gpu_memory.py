@@ -7,6 +7,11 @@ weights over a small pool, runs the largest step the scheduler may send
 what is left. Under --tp the ranks agree on a size before loading, so there the terms
 are the checkpoint's byte count and `activation_bytes`, an upper estimate. `KVBudget`
 keeps every term so the log line shows the arithmetic.
+
+Not in the profile: the decode CUDA graphs' private pools (captured after the pool is
+attached) and attention scratch that grows with context rather than with the step's
+tokens (the torch backend's gather of long rows; FlashInfer and the Triton kernels read
+pages in place). `--mem-fraction` below 1 leaves the room for them.
 """
 from __future__ import annotations
 
