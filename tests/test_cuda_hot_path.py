@@ -149,11 +149,12 @@ def test_a_runner_profiled_over_a_small_pool_then_attached_to_the_real_one_decod
         assert (probe.page_table == -1).all() and not r.rows  # nothing of the probe outlives it
         with pytest.raises(ValueError, match="needs"):
             r.profile_step(profile_lengths(1000, 4, 4096))  # more than the probe pool holds
-        assert r.attach_pool(real) is r and r.kv.num_pages == 8 and r.pool is real
         prompt = [5, 9, 11, 3, 7, 2, 8]
-        got = _greedy(r, real, prompt, 6)
-        fresh = ModelRunner(tiny_models["llama"], real, 16, device="cpu")
-        assert got == _greedy(fresh, real, prompt, 6)
+        want = _greedy(ModelRunner(tiny_models["llama"], real, 16, device="cpu"), real, prompt, 6)
+        # still on the probe: the profiled rows left nothing behind in the backend either
+        assert _greedy(r, probe, prompt, 6) == want
+        assert r.attach_pool(real) is r and r.kv.num_pages == 8 and r.pool is real and not r.rows
+        assert _greedy(r, real, prompt, 6) == want
     finally:
         for p in (probe, real):
             p.close()

@@ -79,8 +79,8 @@ class ModelRunner:
         # scheduler's for padding rows; never on CPU, under --tp or --deterministic.
         self._graphs_allowed = self.device.type == "cuda" and tp is None and not deterministic
         self.rows: dict[int, RowState] = {}
-        self.attach_pool(pool, cuda_graph)
         self.failed: dict[int, str] = {}  # row -> why; its steps are skipped until a NewRow restarts it
+        self.attach_pool(pool, cuda_graph)
         self.faults = None  # test-only fault injection (faults.py), set by the worker process
         self.keep_logits = keep_logits  # debug/tests: keep each step's logits for `last_logits`
         self._logits: Optional[torch.Tensor] = None  # the last step's, left on the device
@@ -96,6 +96,7 @@ class ModelRunner:
             torch.cuda.empty_cache()
         self.pool = pool
         self.rows.clear()
+        self.failed = {}
         graphs = cuda_graph and self._graphs_allowed
         self.kv = KVPool.for_model(self._shape, pool.num_pages + graphs, self.page_size,
                                    self.config.dtype, self.device,

@@ -137,7 +137,8 @@ def _pool_and_runner(sa: ServerArgs, cfg, shape, model_path: str, pool_name: str
     runner_args = dict(device=sa.device, dtype=sa.dtype, tp=leader, deterministic=sa.deterministic,
                        cuda_graph=not sa.disable_cuda_graph)
     table = dict(max_rows=sa.max_running_requests, max_pages_per_row=max_pages_per_row)
-    if device.type == "cuda" and sa.kv_pages is None and leader is None:
+    by_memory = device.type == "cuda" and sa.kv_pages is None  # else the size is given (pages or GiB)
+    if by_memory and leader is None:
         free_at_start = torch.cuda.mem_get_info(device)[0]
         lengths = profile_lengths(sa.max_batch_tokens, sa.max_running_requests, max_model_len)
         probe = PagePool.create(profile_pages(lengths, sa.page_size), **table)  # private: no one attaches
@@ -152,7 +153,7 @@ def _pool_and_runner(sa: ServerArgs, cfg, shape, model_path: str, pool_name: str
             raise RuntimeError(f"{kvb.describe()}: too small; raise --mem-fraction or pass --kv-pages")
         pool = PagePool.create(kvb.pages, name=pool_name, **table)
         return _unlink_on_error(pool, lambda: runner.attach_pool(pool, cuda_graph=runner_args["cuda_graph"]))
-    if device.type == "cuda" and sa.kv_pages is None:
+    if by_memory:
         kvb = cuda_kv_budget(shape, cfg.dtype, sa.page_size, sa.mem_fraction, sa.max_batch_tokens,
                              sa.max_running_requests, weight_bytes(model_path, cfg.dtype) // sa.tp, device)
         log.info("%s", kvb.describe())
