@@ -4,9 +4,18 @@ Death is known for certain (the supervisor waits on its children); silence is on
 a symptom. Each child stamps `time.monotonic()` (CLOCK_MONOTONIC: one clock for
 every process on the machine) into its own slot of a small file in the run
 directory, from the loop whose progress matters: the scheduler's event loop, the
-worker's batch loop (a forward counts as one turn: it must end within the stall
-timeout), the frontend's bridge thread. The supervisor reads the slots; a child
-silent for `--stall-timeout` is stalled, and is warned about at 50% and 80%.
+worker's batch loop (stamped before and after each forward), the frontend's bridge
+thread. The supervisor reads the slots; a child silent for `--stall-timeout` is
+stalled, and is warned about at 50% and 80%.
+
+A slow step is not a stall: a forward on a slow CPU (emulated bf16, a big chunk, a
+busy machine) can outlast the timeout while the worker computes all along. So the
+supervisor also reads each watched child's CPU time (/proc/PID/stat utime+stime):
+a child that used at least MIN_CPU_SHARE of a core over a CPU_WINDOW_S window is
+computing, and that counts as progress. A stuck child (SIGSTOPped, asleep on a
+lock, blocked in a syscall) uses no CPU and is still called stalled on time. The
+price: a child spinning in a livelock reads as computing (the scheduler's own step
+bound, --max-step-seconds, keeps honest steps short).
 
 Invariants: a stamp is one aligned 8-byte write (never torn); a child outside a
 supervisor (no file) beats into nothing; each beating child dumps every thread's
@@ -31,6 +40,10 @@ log = logging.getLogger("ferroxmp.supervisor")
 SLOTS = ("worker", "scheduler", "frontend")
 FILE = "liveness"
 WARN_AT = (0.5, 0.8)  # fractions of the stall timeout at which a silence is logged
+CPU_WINDOW_S = 1.0  # CPU time is compared over windows this long (one tick is 10 ms)
+MIN_CPU_SHARE = 0.1  # of one core: a loaded 2-core box still gives a computing worker more;
+# a blocked process with a timer thread uses far less
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _path(run_dir: str) -> str:
@@ -63,6 +76,9 @@ class Monitor:
     timeout: float
     since: dict[str, float] = field(default_factory=dict)  # name -> when watching began
     warned: dict[str, float] = field(default_factory=dict)  # name -> highest fraction logged
+    cpu: dict[str, "CpuMark"] = field(default_factory=dict)  # name -> its CPU clock, when a pid is known
+    computing: dict[str, float] = field(default_factory=dict)  # name -> last window it used CPU in
+    told: dict[str, float] = field(default_factory=dict)  # name -> the beat whose long step was logged
     mm: Optional[mmap.mmap] = None
 
     def __post_init__(self) -> None:
@@ -71,8 +87,12 @@ class Monitor:
             f.flush()
             self.mm = mmap.mmap(f.fileno(), 8 * len(SLOTS))
 
-    def watch(self, name: str) -> None:
-        self.since[name] = time.monotonic()
+    def watch(self, name: str, pid: Optional[int] = None) -> None:
+        """Start the clock of `name`; with `pid`, its CPU time also counts as progress."""
+        now = time.monotonic()
+        self.since[name] = now
+        if pid is not None:
+            self.cpu[name] = CpuMark(pid, cpu_seconds(pid) or 0.0, now)
 
     def forgive(self) -> None:
         """The supervisor itself was not running (paused, swapped out): what it missed
@@ -80,16 +100,33 @@ class Monitor:
         now = time.monotonic()
         for name in self.since:
             self.since[name] = now
+        for mark in self.cpu.values():
+            mark.restart(now)
 
     def silence(self, name: str, now: Optional[float] = None) -> float:
+        """Seconds since the child last beat or was seen computing."""
         now = time.monotonic() if now is None else now
         (stamp,) = struct.unpack_from("<d", self.mm, 8 * SLOTS.index(name))
-        return now - max(stamp, self.since[name])
+        return now - max(stamp, self.since[name], self.computing.get(name, 0.0))
+
+    def _sample_cpu(self, name: str, now: float) -> None:
+        mark = self.cpu.get(name)
+        if mark is None or now - mark.at < CPU_WINDOW_S:
+            return
+        used = mark.advance(now)
+        (stamp,) = struct.unpack_from("<d", self.mm, 8 * SLOTS.index(name))
+        if used >= MIN_CPU_SHARE * CPU_WINDOW_S:
+            if now - stamp >= self.timeout * WARN_AT[0] and self.told.get(name) != stamp:
+                self.told[name] = stamp  # once per long step
+                log.info("%s has not beaten for %.1fs but is computing (%.0f%% of a core): a slow step, "
+                         "not a stall", name, now - stamp, 100 * used / CPU_WINDOW_S)
+            self.computing[name] = now
 
     def stalled(self) -> Optional[tuple[str, float]]:
         """The first child silent past the timeout (name, seconds); logs approaching ones."""
         now = time.monotonic()
         for name in self.since:
+            self._sample_cpu(name, now)
             quiet = self.silence(name, now)
             frac = quiet / self.timeout
             if frac >= 1.0:
@@ -107,6 +144,36 @@ class Monitor:
         if self.mm is not None:
             self.mm.close()
             self.mm = None
+
+
+@dataclass
+class CpuMark:
+    """A child's CPU time (user + system, every thread) at the start of a window."""
+    pid: int
+    seconds: float
+    at: float
+
+    def advance(self, now: float) -> float:
+        """CPU seconds used per wall second since the mark, times the window; moves it."""
+        cpu = cpu_seconds(self.pid)
+        if cpu is None:
+            return 0.0
+        used = (cpu - self.seconds) * CPU_WINDOW_S / max(now - self.at, 1e-9)
+        self.seconds, self.at = cpu, now
+        return used
+
+    def restart(self, now: float) -> None:
+        self.seconds, self.at = cpu_seconds(self.pid) or self.seconds, now
+
+
+def cpu_seconds(pid: int) -> Optional[float]:
+    """utime + stime of `pid` (all its threads) in seconds; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def process_state(pid: int) -> str:

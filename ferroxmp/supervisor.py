@@ -6,8 +6,9 @@ stopped, the shared-memory pool is unlinked and the run directory (sockets,
 launch.json, liveness) is removed; when the supervisor is SIGKILLed its children
 remove it, and a later start removes any a dead supervisor left. A child that dies
 takes the server down with exit 1 (in-flight clients get an error first). A child
-that is alive but silent for `--stall-timeout` has its Python stacks dumped to the
-log and is then treated as dead; a shorter silence costs only latency.
+that is alive but silent for `--stall-timeout` and not computing (its CPU time does
+not advance: liveness.py) has its Python stacks dumped to the log and is then
+treated as dead; a shorter silence, or a long step that computes, costs only latency.
 SIGTERM/SIGINT drains and exits 0. No secret is written to disk: the API key
 reaches the frontend through a pipe on its stdin.
 
@@ -148,7 +149,7 @@ class Supervisor:
                 if isinstance(msg, Ready) and msg.name in names:
                     got[msg.name] = msg
                     if msg.name in WATCHED:
-                        self.monitor.watch(msg.name)
+                        self.monitor.watch(msg.name, msg.pid)  # its CPU time counts as progress
                     if len(got) == len(names):
                         return got
         raise ChildDied(f"{sorted(set(names) - set(got))} did not report ready within {READY_TIMEOUT_S:.0f}s")

@@ -77,3 +77,44 @@ def test_only_an_orphan_removes_the_run_directory(tmp_path):
     assert run_dir.exists()
     remove_if_orphaned(str(run_dir), -1)  # a parent we no longer have: remove it
     assert not run_dir.exists()
+
+
+def _burner() -> int:
+    """A child that computes forever and never beats (a forward longer than the timeout)."""
+    pid = os.fork()
+    if pid == 0:
+        while True:
+            sum(range(2000))
+    return pid
+
+
+def test_a_computing_child_is_not_stalled_but_the_same_child_stopped_is(tmp_path, monkeypatch, caplog):
+    """The worker's heartbeat is stamped between steps, so a step longer than
+    --stall-timeout used to read as a stall and kill the server. A child whose CPU time
+    advances must never be called stalled, however long it stays silent; the same child
+    SIGSTOPped (no CPU) must be, within about the timeout. Both halves run on one child,
+    so the only difference between them is whether it computes."""
+    import ferroxmp.liveness as liveness
+    monkeypatch.setattr(liveness, "CPU_WINDOW_S", 0.2)
+    caplog.set_level(logging.INFO, "ferroxmp.supervisor")
+    timeout = 1.0
+    pid = _burner()
+    mon = Monitor(str(tmp_path), timeout)
+    try:
+        mon.watch("worker", pid)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3 * timeout:
+            assert mon.stalled() is None, f"a computing child was called stalled after {time.monotonic() - t0:.1f}s"
+            time.sleep(0.05)
+        assert any("is computing" in r.getMessage() for r in caplog.records), "the long step was not logged"
+        assert not any("silent for" in r.getMessage() for r in caplog.records)
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        while (found := mon.stalled()) is None:
+            assert time.monotonic() - t0 < timeout + 2.0, "a stopped child was never called stalled"
+            time.sleep(0.05)
+        assert found[0] == "worker" and found[1] >= timeout
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        mon.close()

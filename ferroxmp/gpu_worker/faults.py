@@ -9,6 +9,10 @@ and each hook is one `is None` check per batch.
 - forward_raise_token=T: a forward whose input holds token id T raises.
 - forward_hang_token=T:S: a forward whose input holds token id T sleeps S seconds
   (a stuck process: the supervisor's stall timeout must catch it).
+- forward_busy_token=T:S: a forward whose input holds token id T computes (burns CPU)
+  for S seconds: a slow step, which the stall watchdog must NOT take for a stall.
+- forward_busy_per_token=S: every forward burns S seconds of CPU per input token (a
+  slow machine: the scheduler's step budget must shrink its chunks to fit).
 - sample_raise_seed=S: sampling a row whose seed is S raises (a row the worker
   cannot compute, among healthy ones).
 """
@@ -33,6 +37,9 @@ class Faults:
     forward_raise_token: Optional[int] = None
     forward_hang_token: Optional[int] = None
     forward_hang_s: float = 0.0
+    forward_busy_token: Optional[int] = None
+    forward_busy_s: float = 0.0
+    forward_busy_per_token: float = 0.0
     sample_raise_seed: Optional[int] = None
 
     @classmethod
@@ -45,6 +52,11 @@ class Faults:
             elif key == "forward_hang_token":
                 token, _, seconds = value.partition(":")
                 kw["forward_hang_token"], kw["forward_hang_s"] = int(token), float(seconds or 3600)
+            elif key == "forward_busy_token":
+                token, _, seconds = value.partition(":")
+                kw["forward_busy_token"], kw["forward_busy_s"] = int(token), float(seconds or 10)
+            elif key == "forward_busy_per_token":
+                kw["forward_busy_per_token"] = float(value)
             elif key == "sample_raise_seed":
                 kw["sample_raise_seed"] = int(value)
             else:
@@ -55,12 +67,25 @@ class Faults:
         if self.forward_hang_token is not None and self.forward_hang_token in ids:
             log.warning("fault injection: forward hangs for %.0fs", self.forward_hang_s)
             time.sleep(self.forward_hang_s)
+        busy = self.forward_busy_per_token * len(ids)
+        if self.forward_busy_token is not None and self.forward_busy_token in ids:
+            log.warning("fault injection: forward computes for %.0fs", self.forward_busy_s)
+            busy += self.forward_busy_s
+        if busy > 0:
+            _burn(busy)
         if self.forward_raise_token is not None and self.forward_raise_token in ids:
             raise InjectedFault(f"injected forward failure (token {self.forward_raise_token})")
 
     def before_sample(self, seeds: Sequence[int]) -> None:
         if self.sample_raise_seed is not None and self.sample_raise_seed in seeds:
             raise InjectedFault(f"injected sampling failure (seed {self.sample_raise_seed})")
+
+
+def _burn(seconds: float) -> None:
+    """Use a core for `seconds` (CPU time advances, as in a real long forward)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(range(2000))
 
 
 def from_env() -> Optional[Faults]:
