@@ -297,8 +297,10 @@ class Supervisor:
 def serve(args: ServerArgs) -> int:
     setup_logging("supervisor", args.log_level)
     from ferroxmp.checkpoint.default_model import resolve_model
+    from ferroxmp.checkpoint.validate import validate_checkpoint
     try:
         resolve_model(args)  # None -> the default model, 'demo' -> random weights; a GGUF is checked
+        validate_checkpoint(args.model)  # the whole file, before any child starts (a CheckpointError: exit 2)
     except (OSError, ValueError) as e:
         log.error("cannot serve this model: %s", e)
         return 2

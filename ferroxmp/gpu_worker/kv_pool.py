@@ -13,15 +13,27 @@ Invariants:
   `slots_view(layer)` is `[slots, kv_heads, head_dim]` in both (a view, strided for hnd).
 - The pool never frees or allocates pages: which page holds what is the scheduler's
   business (shared page table); this class only stores bytes.
+- Every sizing failure names what it sized: 2 (K, V) x layers x tokens x kv heads x
+  head_dim x dtype bytes (`kv_sizing`), never only "out of memory".
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from .loader import ModelConfig
+
+log = logging.getLogger("ferroxmp.kv_pool")
+
+
+def kv_sizing(layers: int, tokens: int, kv_heads: int, head_dim: int, itemsize: int) -> str:
+    """'2 (K, V) x 30 layers x 8192 tokens x 3 kv heads x 64 head_dim x 2 bytes = 0.18 GiB'."""
+    total = 2 * layers * tokens * kv_heads * head_dim * itemsize  # Python ints: no overflow
+    return (f"2 (K, V) x {layers} layers x {tokens} tokens x {kv_heads} kv heads x {head_dim} head_dim x "
+            f"{itemsize} bytes = {total / 2**30:.3g} GiB")
 
 
 @dataclass
@@ -43,8 +55,15 @@ class KVPool:
         shape = self.shape
         # Zeros, not empty: a padded read of a never-written slot must be finite, or a
         # masked-out NaN would still poison softmax (0 * NaN).
-        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        try:
+            self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            itemsize = torch.empty((), dtype=self.dtype).element_size()
+            sized = kv_sizing(self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim, itemsize)
+            raise RuntimeError(f"cannot allocate the KV pool on {self.device} ({self.num_pages} pages of "
+                               f"{self.page_size} tokens: {sized}): {str(e).splitlines()[0][:200]}; lower "
+                               "--kv-pages / --kv-cache-gb / --mem-fraction") from None
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, num_pages: int, page_size: int,
@@ -86,20 +105,30 @@ class KVPool:
 
 def pages_for_budget(cfg: ModelConfig, page_size: int, dtype: torch.dtype, kv_pages: Optional[int],
                      kv_cache_gb: float, mem_fraction: float, device: torch.device,
-                     reserved_bytes: int = 0) -> int:
+                     reserved_bytes: int = 0, context: Optional[int] = None) -> int:
     """Pages that fit: an explicit --kv-pages wins; on CPU --kv-cache-gb; on CUDA
-    mem_fraction of the free device memory, less `reserved_bytes` (weights not loaded yet)."""
+    mem_fraction of the free device memory, less `reserved_bytes` (weights not loaded yet).
+    A budget under two pages is an error, one under `context` tokens (default: the
+    model's) a warning; both name the sizing of one page and of one context."""
     if kv_pages is not None:
         return int(kv_pages)
+    itemsize = torch.empty((), dtype=dtype).element_size()
     per_page = cfg.kv_bytes_per_token(dtype) * page_size
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = mem_fraction * free - reserved_bytes
     else:
         budget = kv_cache_gb * (1 << 30)
-    pages = int(budget // per_page)
+    pages = max(0, int(budget // per_page))
+    context = context or cfg.max_position_embeddings
+    geometry = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, itemsize)
+    one_context = kv_sizing(geometry[0], context, *geometry[1:])
     if pages < 2:
-        raise RuntimeError(f"the KV budget ({budget / 2**30:.2f} GiB) holds {pages} pages of {page_size} "
-                           f"tokens ({per_page} bytes each); raise --kv-cache-gb / --mem-fraction or "
-                           f"pass --kv-pages")
+        raise RuntimeError(f"the KV budget ({budget / 2**30:.3g} GiB) holds {pages} pages of {page_size} "
+                           f"tokens (a page: {kv_sizing(geometry[0], page_size, *geometry[1:])}); one full "
+                           f"context takes {one_context}; raise --kv-cache-gb / --mem-fraction or pass --kv-pages")
+    if pages * page_size < context:
+        log.warning("the KV pool (%d pages = %d tokens) holds less than one full context: %s; longer "
+                    "requests are refused (raise --kv-cache-gb / --mem-fraction, or lower --max-model-len)",
+                    pages, pages * page_size, one_context)
     return pages

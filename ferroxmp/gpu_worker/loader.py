@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from ..checkpoint import is_gguf
+from ..checkpoint.limits import CheckpointError, check_config, is_int
 from ..config import read_json as _read_json
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -32,8 +33,8 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class UnsupportedModel(ValueError):
-    """The checkpoint asks for something ferroxmp does not implement."""
+class UnsupportedModel(CheckpointError):
+    """The checkpoint asks for something ferroxmp does not implement (`field` names it)."""
 
 
 @dataclass
@@ -77,14 +78,18 @@ class ModelConfig:
 
 
 
-def _as_list(x: Any) -> list[int]:
+def _as_list(x: Any, where: str = "eos_token_id") -> list[int]:
     if x is None:
         return []
-    return [int(i) for i in (x if isinstance(x, (list, tuple)) else [x])]
+    ids = list(x) if isinstance(x, (list, tuple)) else [x]
+    if not all(is_int(i) and i >= 0 for i in ids):
+        raise UnsupportedModel(f"{where} is {x!r}; expected a token id or a list of them", where)
+    return ids
 
 
 def eos_token_ids(model_path: str, cfg: dict) -> list[int]:
-    ids = _as_list(_read_json(os.path.join(model_path, "generation_config.json")).get("eos_token_id"))
+    ids = _as_list(_read_json(os.path.join(model_path, "generation_config.json")).get("eos_token_id"),
+                   os.path.join(model_path, "generation_config.json") + ": eos_token_id")
     tok_cfg = _read_json(os.path.join(model_path, "tokenizer_config.json"))
     eos = tok_cfg.get("eos_token")
     eos = eos.get("content") if isinstance(eos, dict) else eos
@@ -92,7 +97,7 @@ def eos_token_ids(model_path: str, cfg: dict) -> list[int]:
         vocab_id = _token_id(model_path, eos, tok_cfg)
         if vocab_id is not None:
             ids.append(vocab_id)
-    ids += _as_list(cfg.get("eos_token_id"))
+    ids += _as_list(cfg.get("eos_token_id"), os.path.join(model_path, "config.json") + ": eos_token_id")
     return list(dict.fromkeys(ids))
 
 
@@ -112,8 +117,9 @@ def resolve_dtype(name: str, checkpoint: dict) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
     raw = checkpoint.get("torch_dtype") or checkpoint.get("dtype") or "float32"
-    if raw not in _DTYPES:
-        raise UnsupportedModel(f"checkpoint dtype {raw!r} is not one of {sorted(_DTYPES)}; pass --dtype")
+    if not isinstance(raw, str) or raw not in _DTYPES:
+        raise UnsupportedModel(f"checkpoint dtype {raw!r} is not one of {sorted(_DTYPES)}; pass --dtype",
+                               "torch_dtype")
     return _DTYPES[raw]
 
 
@@ -126,34 +132,56 @@ def resolve_device(name: str) -> torch.device:
 
 
 def _gguf_config(model_path: str) -> tuple[dict, list[int]]:
-    from ..checkpoint.gguf_config import GGUFUnsupported, hf_config
-    from ..checkpoint.gguf_file import GGUFError, open_gguf
+    from ..checkpoint.gguf_file import open_gguf
     from ..checkpoint.gguf_tokenizer import eog_token_ids
+    from ..checkpoint.validate import validated_gguf
     try:
         g = open_gguf(model_path)
-        return hf_config(g), eog_token_ids(g)
-    except (GGUFUnsupported, GGUFError) as e:
-        raise UnsupportedModel(str(e)) from None
+        return validated_gguf(g), eog_token_ids(g)
+    except UnsupportedModel:
+        raise
+    except CheckpointError as e:
+        raise UnsupportedModel(str(e), e.field) from None
 
 
 def load_config(model_path: str, dtype: str = "auto") -> ModelConfig:
+    """The checkpoint's config, validated whole against its tensors and tokenizer
+    (checkpoint/validate.py) before anything is allocated from it."""
+    from ..checkpoint.validate import validated_folder
     if is_gguf(model_path):
         raw, eos_ids = _gguf_config(model_path)
+        where = model_path
     else:
-        raw = _read_json(os.path.join(model_path, "config.json"))
+        where = os.path.join(model_path, "config.json")
+        try:
+            raw = _read_json(where)
+        except ValueError as e:
+            raise UnsupportedModel(f"{where}: config.json is not JSON ({e})", "config.json") from None
         if not raw:
-            raise UnsupportedModel(f"{model_path!r} has no config.json: not a Hugging Face checkpoint folder")
+            raise UnsupportedModel(f"{model_path!r} has no config.json: not a Hugging Face checkpoint folder",
+                                   "config.json")
+        try:
+            validated_folder(model_path, raw)
+        except UnsupportedModel:
+            raise
+        except CheckpointError as e:
+            raise UnsupportedModel(str(e), e.field) from None
         eos_ids = eos_token_ids(model_path, raw)
-    return config_from_dict(raw, eos_ids, dtype)
+    return config_from_dict(raw, eos_ids, dtype, where)
 
 
-def config_from_dict(raw: dict, eos_ids: list[int], dtype: str = "auto") -> ModelConfig:
-    """A config.json dict (a folder's, or one made from GGUF metadata) as a checked ModelConfig."""
+def config_from_dict(raw: dict, eos_ids: list[int], dtype: str = "auto", path: str = "config") -> ModelConfig:
+    """A config.json dict (a folder's, or one made from GGUF metadata) as a checked
+    ModelConfig; `path` names the file in an error."""
+    try:
+        check_config(raw, path)
+    except CheckpointError as e:
+        raise UnsupportedModel(str(e), e.field) from None
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise UnsupportedModel(f"architecture {archs or raw.get('model_type')!r} is not supported; "
-                               f"ferroxmp runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+                               f"ferroxmp runs {', '.join(SUPPORTED_ARCHITECTURES)}", "architectures")
     heads = int(raw["num_attention_heads"])
     rope = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
     theta = float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0)
@@ -161,7 +189,8 @@ def config_from_dict(raw: dict, eos_ids: list[int], dtype: str = "auto") -> Mode
     model_type = raw.get("model_type", "")
     window = raw.get("sliding_window") if arch == "MistralForCausalLM" else None
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and raw.get("use_sliding_window"):
-        raise UnsupportedModel(f"{arch} with use_sliding_window=true (per-layer windows) is not supported")
+        raise UnsupportedModel(f"{arch} with use_sliding_window=true (per-layer windows) is not supported",
+                               "use_sliding_window")
     cfg = ModelConfig(
         architecture=arch, model_type=model_type, hidden_size=int(raw["hidden_size"]),
         num_layers=int(raw["num_hidden_layers"]), num_heads=heads,
@@ -176,9 +205,9 @@ def config_from_dict(raw: dict, eos_ids: list[int], dtype: str = "auto") -> Mode
         dtype=resolve_dtype(dtype, raw), eos_token_ids=eos_ids)
     if cfg.rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModel(f"rope type {cfg.rope_type!r} is not supported; ferroxmp implements "
-                               f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+                               f"{', '.join(SUPPORTED_ROPE_TYPES)}", "rope_scaling")
     if raw.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModel(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+        raise UnsupportedModel(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)", "hidden_act")
     cfg.check_integrity()
     return cfg
 
