@@ -37,6 +37,9 @@ class ServerArgs:
     mem_fraction: float = _f(0.85, "Fraction of free CUDA memory for weights + KV pool.")
     max_running_requests: int = _f(256, "Most rows in the running batch.")
     max_batch_tokens: int = _f(2048, "Most tokens per step, prefill chunks included.")
+    max_step_seconds: float = _f(2.0, "Target duration of one step: prefill chunks shrink to the tokens this "
+                                 "machine computes in that time (measured per step; decode rows are never cut). "
+                                 "0 = bound by --max-batch-tokens only.")
     max_model_len: Optional[int] = _f(None, "Longest prompt + completion; default: the model's context.")
     queue_timeout: float = _f(600.0, "Seconds a request may wait for admission before a 503.")
     disable_radix_cache: bool = _f(False, "Turn off prefix sharing.")
@@ -98,6 +101,8 @@ class ServerArgs:
             bad("max_model_len", f"must be at least 2, got {self.max_model_len}")
         if self.queue_timeout <= 0:
             bad("queue_timeout", f"must be positive, got {self.queue_timeout}")
+        if self.max_step_seconds < 0:
+            bad("max_step_seconds", f"must be 0 (off) or positive, got {self.max_step_seconds}")
         if self.stall_timeout <= 0:
             bad("stall_timeout", f"must be positive, got {self.stall_timeout}")
         if self.api_key and self.api_key_file:

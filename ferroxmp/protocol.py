@@ -128,6 +128,7 @@ class Stats(msgspec.Struct, omit_defaults=True):
     worker_busy_seconds: float = 0.0
     steps: int = 0
     retractions: int = 0
+    step_token_budget: int = 0  # tokens a step may hold now (scheduler/step_budget.py)
 
 
 class TokenOut(msgspec.Struct, tag=True):

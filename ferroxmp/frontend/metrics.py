@@ -27,6 +27,8 @@ _GAUGES = (  # metric name suffix, Stats field, help
     ("kv_pages_in_use", "pages_in_use", "KV pages held by at least one running row."),
     ("requests_running", "running", "Requests in the running batch."),
     ("requests_waiting", "waiting", "Requests queued for admission."),
+    ("step_token_budget", "step_token_budget", "Tokens one step may hold now: --max-batch-tokens, or fewer "
+     "so that a step lasts about --max-step-seconds at the measured speed."),
 )
 _COUNTERS = (
     ("prompt_tokens", "prompt_tokens", "Prompt tokens admitted."),

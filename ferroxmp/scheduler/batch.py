@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from ferroxmp.scheduler.cache import CacheHandle, CacheManager
 from ferroxmp.scheduler.policy import admission_order
@@ -50,14 +50,18 @@ _ARRIVAL = attrgetter("arrival")
 
 
 def plan_batch(waiting: list[Request], live: Iterable[Request], cache: CacheManager,
-               budget: int, now: float, aging_s: float) -> Plan:
+               budget: int, now: float, aging_s: float,
+               prefill_cap: Optional[Callable[[int], int]] = None) -> Plan:
+    """`budget` bounds the step's tokens; `prefill_cap(n_decode)`, when given, also
+    bounds the prefill tokens that ride with n_decode decode rows (the time bound:
+    step_budget.py). Decode rows are never cut by it."""
     plan = Plan()
     live = sorted(live, key=_ARRIVAL)
     prefilling, left = _plan_decode(plan, live, cache, budget, bulk=True)
     if left is None:  # the pool is short of pages: again row by row, retracting if need be
         plan.decode.clear()
         prefilling, left = _plan_decode(plan, live, cache, budget, bulk=False)
-    budget = left
+    budget = left if prefill_cap is None else min(left, prefill_cap(len(plan.decode)))
 
     retract = plan.retract
     if len(prefilling) > 1:

@@ -31,6 +31,7 @@ from ferroxmp.scheduler.outputs import Outbox
 from ferroxmp.scheduler.request import Request, State, schedule_decode
 from ferroxmp.scheduler.results import apply_decode, apply_steps
 from ferroxmp.scheduler.settings import SchedulerConfig  # noqa: F401 (imported from here too)
+from ferroxmp.scheduler.step_budget import StepBudget
 
 log = logging.getLogger("ferroxmp.scheduler")
 
@@ -53,6 +54,7 @@ class SchedulerCore:
         self._rng = random.Random(self.cfg.seed)
         self._eos = frozenset(self.cfg.eos_token_ids)
         self._expires_at = math.inf  # no waiting request can expire before this (expire's scan)
+        self.step_budget = StepBudget(self.cfg.max_step_seconds, self.cfg.max_batch_tokens)
 
     # -- requests in ---------------------------------------------------------------
 
@@ -116,7 +118,7 @@ class SchedulerCore:
     def build_batch(self, now: float) -> Optional[ForwardBatch]:
         """Plan a step and apply the plan: retractions, admissions, then the steps."""
         plan = plan_batch(self.waiting, self.live.values(), self.cache, self.cfg.max_batch_tokens,
-                          now, self.cfg.aging_s)
+                          now, self.cfg.aging_s, self.step_budget.prefill_allowance)
         for req in plan.retract:
             self.retract(req)
         new_rows = []
@@ -177,6 +179,8 @@ class SchedulerCore:
             log.error("result for unknown batch %d dropped", res.batch_id)
             return
         self.totals.worker_busy_seconds += res.compute_s
+        if res.error is None:  # the step's size and time teach the budget this machine's speed
+            self.step_budget.observe(batch.tokens, res.compute_s)
         if res.error:
             log.error("worker refused batch %d: %s", res.batch_id, res.error)
         failed = res.error is not None or bool(res.row_errors)
@@ -229,6 +233,7 @@ class SchedulerCore:
         s.pages_free = self.pool.free_count
         s.pages_in_use = self.cache.pages_in_use
         s.pages_cached = self.cache.pages_cached
+        s.step_token_budget = self.step_budget.step_tokens
         return s
 
     def check_integrity(self) -> None:

@@ -29,6 +29,11 @@ class InFlight:
             yield req, RowStep(row, start, 1, True)
         yield from self.chunks
 
+    @property
+    def tokens(self) -> int:
+        """Tokens the step computes: one per decode row plus the chunks' lengths."""
+        return len(self.rows) + sum(step.length for _, step in self.chunks)
+
     def __len__(self) -> int:
         return len(self.decode) + len(self.chunks)
 

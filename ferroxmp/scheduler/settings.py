@@ -22,6 +22,7 @@ class SchedulerConfig:
     swa_release_interval: int = 32
     aging_s: float = 5.0
     seed: int = 0
+    max_step_seconds: float = 0.0  # 0: steps bounded by max_batch_tokens only (step_budget.py)
 
     @classmethod
     def from_launch(cls, args: dict, worker_info: dict) -> "SchedulerConfig":
@@ -30,7 +31,8 @@ class SchedulerConfig:
                    eos_token_ids=tuple(worker_info.get("eos_token_ids") or ()),
                    queue_timeout=args["queue_timeout"], radix=not args["disable_radix_cache"],
                    sliding_window=worker_info.get("sliding_window"),
-                   swa_release_interval=args["swa_release_interval"], seed=args.get("seed", 0))
+                   swa_release_interval=args["swa_release_interval"], seed=args.get("seed", 0),
+                   max_step_seconds=args.get("max_step_seconds", 0.0))
 
     def refusal(self, p: SamplingParams, n: int, num_pages: int) -> Optional[str]:
         """Why a request of n prompt tokens can never run here (400), or None."""
