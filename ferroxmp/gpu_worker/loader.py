@@ -113,14 +113,19 @@ def _token_id(model_path: str, token: str, tok_cfg: dict) -> Optional[int]:
     return vocab.get(token) if isinstance(vocab, dict) else None
 
 
-def resolve_dtype(name: str, checkpoint: dict) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
+def resolve_dtype(name: str, checkpoint: dict, cuda: Optional[bool] = None) -> torch.dtype:
+    """--dtype `name`; auto: the checkpoint's dtype where the device computes it natively,
+    float32 where a CPU would emulate bf16/fp16 (cpu_dtype.choose_dtype). `cuda` None:
+    where torch puts the model by default (--device auto)."""
+    from .cpu_dtype import choose_dtype
     raw = checkpoint.get("torch_dtype") or checkpoint.get("dtype") or "float32"
-    if not isinstance(raw, str) or raw not in _DTYPES:
+    known = isinstance(raw, str) and raw in _DTYPES
+    if name == "auto" and not known:
         raise UnsupportedModel(f"checkpoint dtype {raw!r} is not one of {sorted(_DTYPES)}; pass --dtype",
                                "torch_dtype")
-    return _DTYPES[raw]
+    on_cuda = torch.cuda.is_available() if cuda is None else cuda
+    return choose_dtype(None if name == "auto" else _DTYPES[name], _DTYPES[raw] if known else torch.float32,
+                        on_cuda).dtype
 
 
 def resolve_device(name: str) -> torch.device:

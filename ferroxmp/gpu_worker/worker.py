@@ -44,7 +44,7 @@ from ..config import ServerArgs, setup_logging, watch_parent
 from ..liveness import Heartbeat, remove_if_orphaned
 from . import faults
 from ..radix.pages import PagePool
-from .cpu_dtype import slow_dtype_warning
+from . import cpu_dtype
 from .gpu_memory import after_load, cuda_kv_budget, measure, profile_lengths, profile_pages
 from .kv_pool import pages_for_budget
 from .loader import UnsupportedModel, load_config, resolve_device, weight_bytes
@@ -79,8 +79,9 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
         model_path = ensure_demo_model()
     device = resolve_device(sa.device)
     cfg = load_config(model_path, sa.dtype)
-    if device.type == "cpu" and (warning := slow_dtype_warning(cfg.dtype)):
-        log.warning("%s", warning)
+    dtype_reason = cpu_dtype.LAST.reason if cpu_dtype.LAST is not None else cfg.dtype_name
+    emulated = device.type == "cpu" and cpu_dtype.half_is_emulated(cfg.dtype)
+    log.log(logging.WARNING if emulated else logging.INFO, "serving in %s", dtype_reason)
     shape, leader = cfg, None  # --tp > 1: rank 0 of the group (tp_step.py); its KV holds its heads only
     if sa.tp > 1:
         from . import tp_step
@@ -113,7 +114,7 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
                 "max_rows": sa.max_running_requests, "max_pages_per_row": max_pages_per_row,
                 "vocab_size": cfg.vocab_size, "eos_token_ids": cfg.eos_token_ids,
                 "sliding_window": cfg.sliding_window, "model_type": cfg.model_type,
-                "dtype": cfg.dtype_name, "device": str(runner.device), "model_path": model_path, "tp": sa.tp}
+                "dtype": cfg.dtype_name, "dtype_reason": dtype_reason, "device": str(runner.device), "model_path": model_path, "tp": sa.tp}
         supervisor.send(protocol.encode(protocol.Ready(name="worker", pid=os.getpid(), info=info)))
         log.info("worker ready: %s", info)
         return _serve(runner, pull, results, parent_alive, heart, leader)
