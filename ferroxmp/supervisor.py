@@ -4,7 +4,8 @@ wait for each to report ready, watch them, and tear everything down.
 Invariants: nothing outlives the supervisor — on any exit path the children are
 stopped, the shared-memory pool is unlinked and the run directory (sockets,
 launch.json, liveness) is removed; when the supervisor is SIGKILLed its children
-remove it, and a later start removes any a dead supervisor left. A child that dies
+remove it, and a later start removes any a dead supervisor left; when every process
+was SIGKILLed, a later start also unlinks the pool (shm_names.py). A child that dies
 takes the server down with exit 1 (in-flight clients get an error first). A child
 that is alive but silent for `--stall-timeout` and not computing (its CPU time does
 not advance: liveness.py) has its Python stacks dumped to the log and is then
@@ -25,7 +26,6 @@ import glob
 import json
 import logging
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -39,6 +39,7 @@ import zmq
 from ferroxmp.config import ServerArgs, setup_logging
 from ferroxmp.liveness import Monitor, process_state
 from ferroxmp.protocol import ProtocolError, Ready, Shutdown, decode, encode, endpoints
+from ferroxmp.shm_names import remove_dead_segments, segment_name
 
 log = logging.getLogger("ferroxmp.supervisor")
 READY_TIMEOUT_S = 900.0  # model loading on a slow disk
@@ -83,9 +84,10 @@ class Supervisor:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         remove_stale_run_dirs()
+        remove_dead_segments()  # pools of servers killed with -9 (shm_names.py); one log line each
         self.run_dir = tempfile.mkdtemp(prefix=f"ferroxmp-{os.getpid()}-")  # mode 0700
         self.monitor = Monitor(self.run_dir, args.stall_timeout)
-        self.pool_name = f"fxmp_{os.getpid()}_{secrets.token_hex(4)}"
+        self.pool_name = segment_name()  # fxmp_<pid>_<start time>_<random>: a later serve can tell ours dead
         self.ctx = zmq.Context()
         self.ep = endpoints(self.run_dir)
         self.ready_sock = self.ctx.socket(zmq.PULL)
