@@ -30,7 +30,8 @@ class ServerArgs:
     host: str = _f("127.0.0.1", "Address the HTTP server binds.")
     port: int = _f(30000, "HTTP port.")
     device: str = _f("auto", "Where the model runs.", ["auto", "cpu", "cuda"])
-    dtype: str = _f("auto", "Weight and KV dtype; auto = the checkpoint's.", ["auto", "float32", "bfloat16", "float16"])
+    dtype: str = _f("auto", "Weight and KV dtype; auto = the checkpoint's, but "
+                    "float32 for bf16/fp16 on a CPU that only emulates them (logged; /server_info says why).", ["auto", "float32", "bfloat16", "float16"])
     page_size: int = _f(16, "Tokens per KV page.")
     kv_pages: Optional[int] = _f(None, "Explicit number of KV pages (overrides --kv-cache-gb / --mem-fraction).")
     kv_cache_gb: float = _f(2.0, "KV pool size in GiB on CPU.")
@@ -64,8 +65,8 @@ class ServerArgs:
     metrics_public: bool = _f(False, "Serve /metrics without the API key (for a scraper).")
     log_level: str = _f("info", "Log level.", ["debug", "info", "warning", "error"])
     shutdown_grace: float = _f(30.0, "Seconds SIGTERM waits for running requests before stopping.")
-    stall_timeout: float = _f(60.0, "Seconds a living process may stay silent (paused, stuck) before its "
-                              "stacks are dumped to the log and the server is stopped as for a death.")
+    stall_timeout: float = _f(60.0, "Seconds a living process may stay silent (paused, stuck) and "
+                              "without CPU time (a long step computes: not a stall) before its stacks are dumped to the log and the server is stopped as for a death.")
     max_body_bytes: int = _f(8 * 1024 * 1024, "Largest request body accepted (413 beyond).")
     http_threads: int = _f(512, "HTTP worker threads (each streaming client holds one).")
     seed: int = _f(0, "Seed for requests that give none.")
