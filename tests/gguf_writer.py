@@ -167,3 +167,61 @@ def write_gguf(folder: str, out_path: str, qtype: Q = Q.F32, pre: str = "qwen2",
     w.write_tensors_to_file()
     w.close()
     return out_path
+
+
+# ---- header layout, for the checkpoint fuzzer -------------------------------------
+
+_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def header_fields(path: str, max_items: int = 3) -> list[tuple[str, int, str]]:
+    """(label, byte offset, struct format) of every structural field of a GGUF header:
+    counts, string lengths, value types, array item types and lengths, scalar values,
+    tensor n_dims / dims / type / offset. Walked independently of ferroxmp's reader (a
+    second reading of the format, so the fuzzer does not inherit the reader's mistakes);
+    of each array only the first `max_items` string lengths are listed."""
+    import struct
+    with open(path, "rb") as f:
+        buf = f.read()
+    out: list[tuple[str, int, str]] = []
+    pos = 4
+
+    def take(label: str, fmt: str, record: bool = True) -> int:
+        nonlocal pos
+        (v,) = struct.unpack_from(fmt, buf, pos)
+        if record:
+            out.append((label, pos, fmt))
+        pos += struct.calcsize(fmt)
+        return v
+
+    def string(label: str, record: bool = True) -> str:
+        nonlocal pos
+        n = take(label + " length", "<Q", record)
+        s = buf[pos:pos + n].decode("utf-8", "replace")
+        pos += n
+        return s
+
+    take("version", "<I")
+    n_tensors, n_kv = take("tensor_count", "<Q"), take("metadata_kv_count", "<Q")
+    for _ in range(n_kv):
+        key = string("key")
+        vtype = take(f"{key} value type", "<I")
+        if vtype == 8:
+            string(key)
+        elif vtype == 9:
+            itype, count = take(f"{key} item type", "<I"), take(f"{key} count", "<Q")
+            for i in range(count):
+                if itype == 8:
+                    string(f"{key}[{i}]", record=i < max_items)
+                else:
+                    take(f"{key}[{i}]", _FMT[itype], record=i < max_items)
+        else:
+            take(key, _FMT[vtype])
+    for _ in range(n_tensors):
+        name = string("tensor name")
+        n_dims = take(f"{name} n_dims", "<I")
+        for d in range(n_dims):
+            take(f"{name} dim {d}", "<Q")
+        take(f"{name} type", "<I")
+        take(f"{name} offset", "<Q")
+    return out

@@ -43,7 +43,7 @@ def _f32(x: Any) -> float:
 def check_supported(g: GGUFFile) -> None:
     arch = g.architecture
     if arch not in ARCHITECTURES:
-        raise GGUFUnsupported(f"{g.path}: GGUF architecture {arch!r} is not supported; ferroxmp runs "
+        raise GGUFUnsupported(f"{g.path}: general.architecture {arch!r} is not supported; ferroxmp runs "
                               f"{', '.join(ARCHITECTURES)}", "general.architecture")
     from .gguf_weights import CONFIG_TENSORS, hf_name  # (gguf_weights imports this module)
     allowed = {int(t) for t in TENSOR_TYPES}
@@ -56,7 +56,7 @@ def check_supported(g: GGUFFile) -> None:
         if info.type_id not in allowed:
             raise GGUFUnsupported(f"{g.path}: tensor {info.name!r} has type {info.type_name}, which ferroxmp "
                                   f"does not dequantize; supported: {', '.join(t.name for t in TENSOR_TYPES)}",
-                                  f"tensor {info.name!r} type")
+                                  f"tensor {info.name!r}")
 
 
 def permutes_qk(g: GGUFFile) -> bool:
@@ -117,8 +117,8 @@ def _rope_scaling(g: GGUFFile, head_dim: int, theta: float) -> Optional[dict]:
         return _rope_from_freqs(g, head_dim, theta) if "rope_freqs.weight" in g.tensors else None
     if kind == "linear":
         return {"rope_type": "linear", "factor": _float(g, "rope.scaling.factor", None, 1e6)}
-    raise GGUFUnsupported(f"{g.path}: rope scaling {kind!r} is not supported; ferroxmp implements linear "
-                          "and Llama 3 (rope_freqs.weight)", f"{g.architecture}.rope.scaling.type")
+    raise GGUFUnsupported(f"{g.path}: {g.architecture}.rope.scaling.type {kind!r} is not supported; ferroxmp "
+                          "implements linear and Llama 3 (rope_freqs.weight)", f"{g.architecture}.rope.scaling.type")
 
 
 def _int(g: GGUFFile, suffix: str, hf: str, default: Any = None) -> Optional[int]:
@@ -192,8 +192,9 @@ def hf_config(g: GGUFFile) -> dict[str, Any]:
     if rot is not None and rot != head_dim:
         if not is_int(rot):
             raise bad(g.path, f"{g.architecture}.rope.dimension_count", rot, f"{head_dim} (the head dim)")
-        raise GGUFUnsupported(f"{g.path}: partial rotary embedding (rope.dimension_count {rot} of head "
-                              f"dim {head_dim}) is not supported", f"{g.architecture}.rope.dimension_count")
+        raise GGUFUnsupported(f"{g.path}: {g.architecture}.rope.dimension_count is {rot}; expected {head_dim}, "
+                              "the head dim (partial rotary embedding is not supported)",
+                              f"{g.architecture}.rope.dimension_count")
     theta = _float(g, "rope.freq_base", 10000.0, 1e12)
     embed = g.tensors.get("token_embd.weight")
     if embed is None:

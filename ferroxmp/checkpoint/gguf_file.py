@@ -173,26 +173,27 @@ def _tensor_info(cur: _Cursor, index: int) -> TensorInfo:
 
 
 def _check_data(path: str, size: int, tensors: dict[str, TensorInfo], data_offset: int, align: int) -> None:
-    """Every tensor's bytes aligned, inside the file, not overlapping another's, and the
-    file ending within one alignment step of the last (a shifted data section or a
-    truncated download would otherwise read the wrong bytes without an error)."""
-    end = data_offset
+    """The tensors tile the data section as every GGUF writer lays it out: in offset
+    order, each starts where the previous one's bytes end, rounded up to the alignment,
+    and the file ends within one alignment step of the last. A wrong type, dims, offset
+    or alignment would otherwise read other bytes without an error."""
+    expected, prev = 0, None
     for info in sorted(tensors.values(), key=lambda t: t.offset):
         what = f"tensor {info.name!r} offset"
         nbytes = info.row_bytes * (info.n_elements // info.dims[0])
-        if info.offset % align:
-            raise GGUFError(f"{path}: {what} is {info.offset}; expected a multiple of general.alignment ({align})", what)
-        start = data_offset + info.offset
-        if start < end:
-            raise GGUFError(f"{path}: {what} is {info.offset}; expected at least {end - data_offset} (the previous "
-                            "tensor's data ends there)", what)
-        if start + nbytes > size:
+        if info.offset != expected:
+            after = (f"where {prev.name!r} ({prev.type_name} {list(prev.dims)}) ends, aligned to {align}"
+                     if prev else "the start of the data section")
+            raise GGUFError(f"{path}: {what} is {info.offset}; expected {expected}, {after} (a wrong tensor "
+                            "type, dims, offset or general.alignment?)", what)
+        if data_offset + info.offset + nbytes > size:
             raise GGUFError(f"{path}: {what} is {info.offset} with {nbytes} bytes of data, past the end of the "
                             f"file ({size} bytes); expected data inside the file (truncated file?)", what)
-        end = start + nbytes
-    if tensors and size - end >= align:
+        expected, prev = (info.offset + nbytes + align - 1) // align * align, info
+    end = data_offset + expected
+    if tensors and not end - align < size <= end:
         raise GGUFError(f"{path}: the data section ends at byte {end} but the file has {size} bytes; expected "
-                        "the file to end with the last tensor (a wrong general.alignment or tensor offsets?)",
+                        "the file to end with the last tensor (a wrong general.alignment or tensor dims?)",
                         "general.alignment")
 
 
@@ -201,16 +202,17 @@ def open_gguf(path: str) -> GGUFFile:
     against the file's size); tensor bytes stay in the mapped file until `raw()`."""
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size < 24:
-            raise GGUFError(f"{path}: the file has {os.fstat(f.fileno()).st_size} bytes; expected a GGUF header "
-                            "(at least 24 bytes)", "header")
+            raise GGUFError(f"{path}: the header has {os.fstat(f.fileno()).st_size} bytes; expected a GGUF "
+                            "header (at least 24 bytes)", "header")
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if buf[:4] != GGUF_MAGIC:
-        raise GGUFError(f"{path} is not a GGUF file (no GGUF magic)", "magic")
+        raise GGUFError(f"{path} is not a GGUF file: its magic is {bytes(buf[:4])!r}; expected b'GGUF'", "magic")
     cur = _Cursor(buf, path)
     cur.pos = 4
     version = cur.scalar("<I", "version")
     if version & 0xFFFF == 0:
-        raise GGUFError(f"{path} is a big-endian GGUF file; ferroxmp reads little-endian GGUF only", "version")
+        raise GGUFError(f"{path}: version is {version:#x}, a big-endian GGUF file; expected little-endian GGUF "
+                        "(version 2 or 3)", "version")
     if version not in (2, 3):
         raise GGUFError(f"{path}: version is {version}; expected GGUF version 2 or 3", "version")
     n_tensors = cur.count("tensor_count", 32)  # a tensor info takes at least 32 bytes
@@ -218,6 +220,8 @@ def open_gguf(path: str) -> GGUFFile:
     metadata: dict[str, Any] = {}
     for i in range(n_kv):
         key = cur.string(f"metadata key #{i}")
+        if not key.strip() or not key.isprintable():
+            raise GGUFError(f"{path}: metadata key #{i} is {key[:40]!r}; expected a printable name", f"metadata key #{i}")
         if key in metadata:
             raise GGUFError(f"{path}: metadata key {key!r} appears twice; expected each key once", key)
         metadata[key] = cur.value(cur.scalar("<I", f"{key} (value type)"), key)

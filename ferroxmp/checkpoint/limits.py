@@ -71,8 +71,8 @@ def _rope(path: str, key: str, rope: Any) -> None:
     if not isinstance(rope, dict):
         raise bad(path, key, rope, "an object or null")
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if not isinstance(kind, str):
-        raise bad(path, f"{key}.rope_type", kind, "a string")
+    if not isinstance(kind, str) or not kind:
+        raise bad(path, f"{key}.rope_type", kind, "a rope type name (default, linear, llama3, ...)")
     if rope.get("rope_theta") is not None:
         float_field(path, f"{key}.rope_theta", rope["rope_theta"], 0.0, 1e12)
     if kind in ("linear", "llama3"):
@@ -105,14 +105,23 @@ def check_config(raw: Any, path: str) -> None:
     head_dim = raw.get("head_dim") or hidden // heads
     if head_dim % 2:
         raise bad(path, "head_dim", head_dim, "an even number (rotary embeddings pair dimensions)")
+    for name in ("max_position_embeddings", "rms_norm_eps", "rope_theta"):  # absent: a default; null: no
+        if name in raw and raw[name] is None:
+            raise bad(path, name, None, "a number (or no such key, for the default)")
     if raw.get("rms_norm_eps") is not None:
         float_field(path, "rms_norm_eps", raw["rms_norm_eps"], 0.0, 1.0)
     if raw.get("rope_theta") is not None:
         float_field(path, "rope_theta", raw["rope_theta"], 0.0, 1e12)
+    for name in ("bos_token_id", "pad_token_id", "eos_token_id"):
+        ids = raw.get(name)
+        ids = ids if isinstance(ids, list) and name == "eos_token_id" else [ids]
+        if not all(i is None or (is_int(i) and 0 <= i < raw["vocab_size"]) for i in ids):
+            raise bad(path, name, raw[name], f"a token id in [0, {raw['vocab_size'] - 1}] (vocab_size)"
+                      + (" or a list of them" if name == "eos_token_id" else ""))
     rope_key = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
     _rope(path, rope_key, raw.get(rope_key))
-    for name in ("tie_word_embeddings", "attention_bias", "use_sliding_window"):
-        if raw.get(name) is not None and not isinstance(raw[name], bool):
+    for name in ("tie_word_embeddings", "attention_bias", "use_sliding_window", "use_cache", "mlp_bias"):
+        if name in raw and not isinstance(raw[name], bool) and not (name == "use_sliding_window" and raw[name] is None):
             raise bad(path, name, raw[name], "true or false")
     dtype = raw.get("torch_dtype") or raw.get("dtype")
     if dtype is not None and not isinstance(dtype, str):  # which names are served: loader.resolve_dtype

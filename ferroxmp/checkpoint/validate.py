@@ -66,10 +66,15 @@ def expected_shapes(raw: dict) -> tuple[dict[str, tuple], set[str]]:
     return shapes, need
 
 
-def check_shapes(raw: dict, found: dict[str, tuple], path: str, shown: Optional[dict[str, str]] = None) -> None:
-    """`found` (checkpoint name -> shape) against what the config says; `shown` maps a
-    name to the one the file uses (GGUF's), for the message."""
-    shown = shown or {}
+class _Same(dict):
+    def get(self, name, default=None):  # a name as the file spells it: Hugging Face names as they are
+        return name
+
+
+def check_shapes(raw: dict, found: dict[str, tuple], path: str, shown: Optional[dict] = None) -> None:
+    """`found` (checkpoint name -> shape) against what the config says; `shown.get(name)`
+    is the name the file uses (GGUF's), for the message."""
+    shown = shown or _Same()
     want, need = expected_shapes(raw)
     layers = raw["num_hidden_layers"]
     for name, shape in found.items():
@@ -90,11 +95,14 @@ def check_shapes(raw: dict, found: dict[str, tuple], path: str, shown: Optional[
             raise CheckpointError(f"{path}: tensor {shown.get(name, name)} is not one "
                                   f"{raw['architectures'][0]} reads; expected only its tensors (a wrong "
                                   "architecture or a different model?)", shown.get(name, name))
+    if raw.get("tie_word_embeddings") and "lm_head.weight" in found:  # which head? loaders disagree
+        raise bad(path, "tie_word_embeddings", True, "false: the file holds its own lm_head.weight (a tied "
+                  "model reads the embedding as its head)")
     missing = sorted(need - set(found), key=lambda n: (len(n), n))
     if missing:
         name = missing[0]
         raise CheckpointError(f"{path}: tensor {shown.get(name, name)} is missing; expected shape "
-                              f"{list(want[name])} ({len(missing)} tensors missing in all)", name)
+                              f"{list(want[name])} ({len(missing)} tensors missing in all)", shown.get(name, name))
 
 
 def _safetensors_header(file: str) -> dict[str, Any]:
@@ -197,6 +205,12 @@ def validated_folder(folder: str, raw: dict) -> dict:
     return raw
 
 
+class _GGUFNames(dict):
+    def get(self, name, default=None):  # a missing tensor by the name a GGUF file would give it
+        from .gguf_weights import gguf_name
+        return super().get(name) or gguf_name(name)
+
+
 def validated_gguf(g) -> dict:
     """A GGUFFile's config dict (gguf_config.hf_config), checked against its tensors and tokens."""
     from .gguf_config import hf_config
@@ -204,7 +218,7 @@ def validated_gguf(g) -> dict:
     raw = hf_config(g)
     check_config(raw, g.path)
     names = {hf_name(n): n for n in g.tensors if n not in CONFIG_TENSORS}
-    check_shapes(raw, {h: g.tensors[n].shape for h, n in names.items()}, g.path, names)
+    check_shapes(raw, {h: g.tensors[n].shape for h, n in names.items()}, g.path, _GGUFNames(names))
     rows = raw["vocab_size"]
     declared = g.arch_key("vocab_size")
     if declared is not None and declared != rows:

@@ -30,6 +30,8 @@ from ..config import read_json as _read_json
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+               "Qwen3ForCausalLM": "qwen3"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -121,7 +123,7 @@ def resolve_dtype(name: str, checkpoint: dict, cuda: Optional[bool] = None) -> t
     raw = checkpoint.get("torch_dtype") or checkpoint.get("dtype") or "float32"
     known = isinstance(raw, str) and raw in _DTYPES
     if name == "auto" and not known:
-        raise UnsupportedModel(f"checkpoint dtype {raw!r} is not one of {sorted(_DTYPES)}; pass --dtype",
+        raise UnsupportedModel(f"torch_dtype {raw!r} is not one of {sorted(_DTYPES)}; pass --dtype",
                                "torch_dtype")
     on_cuda = torch.cuda.is_available() if cuda is None else cuda
     return choose_dtype(None if name == "auto" else _DTYPES[name], _DTYPES[raw] if known else torch.float32,
@@ -185,8 +187,11 @@ def config_from_dict(raw: dict, eos_ids: list[int], dtype: str = "auto", path: s
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
-        raise UnsupportedModel(f"architecture {archs or raw.get('model_type')!r} is not supported; "
+        raise UnsupportedModel(f"architectures {archs or raw.get('model_type')!r} is not supported; "
                                f"ferroxmp runs {', '.join(SUPPORTED_ARCHITECTURES)}", "architectures")
+    if raw.get("model_type") != MODEL_TYPES[arch]:  # transformers builds the model model_type names
+        raise UnsupportedModel(f"{path}: model_type is {raw.get('model_type')!r}; expected {MODEL_TYPES[arch]!r} "
+                               f"for {arch}", "model_type")
     heads = int(raw["num_attention_heads"])
     rope = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
     theta = float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0)
@@ -209,7 +214,7 @@ def config_from_dict(raw: dict, eos_ids: list[int], dtype: str = "auto", path: s
         qk_norm=arch == "Qwen3ForCausalLM", sliding_window=int(window) if window else None,
         dtype=resolve_dtype(dtype, raw), eos_token_ids=eos_ids)
     if cfg.rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModel(f"rope type {cfg.rope_type!r} is not supported; ferroxmp implements "
+        raise UnsupportedModel(f"rope_scaling type {cfg.rope_type!r} is not supported; ferroxmp implements "
                                f"{', '.join(SUPPORTED_ROPE_TYPES)}", "rope_scaling")
     if raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)", "hidden_act")
