@@ -389,3 +389,25 @@ def test_serve_on_a_bad_checkpoint_exits_2_with_one_line_and_leaves_nothing(tiny
         assert not glob.glob(f"/dev/shm/fxmp_{proc.pid}_*")
         assert not glob.glob(os.path.join(tempfile.gettempdir(), f"ferroxmp-{proc.pid}-*"))
 
+
+
+# ---- memory sizing ---------------------------------------------------------------------
+
+def test_kv_sizing_failures_name_layers_context_kv_heads_head_dim_and_dtype_bytes(tiny_models):
+    """A budget under two pages, and a pool the allocator refuses (ENOMEM), both say what
+    was sized (2 x layers x tokens x kv heads x head_dim x bytes, with the product), not
+    just 'raise --kv-cache-gb'; the product is checked against the config."""
+    from ferroxmp.gpu_worker.kv_pool import KVPool, pages_for_budget
+    cfg = load_config(tiny_models["llama"])
+    per_context = 2 * cfg.num_layers * cfg.max_position_embeddings * cfg.num_kv_heads * cfg.head_dim * 4
+    with pytest.raises(RuntimeError) as e:
+        pages_for_budget(cfg, 16, torch.float32, None, 1e-9, 0.9, torch.device("cpu"))
+    msg = str(e.value)
+    assert (f"{cfg.num_layers} layers x {cfg.max_position_embeddings} tokens x {cfg.num_kv_heads} kv heads x "
+            f"{cfg.head_dim} head_dim x 4 bytes = {per_context / 2**30:.3g} GiB") in msg, msg
+    assert "kv-cache-gb" in msg
+    with pytest.raises(RuntimeError) as e:  # 2**40 pages: the allocator refuses at once
+        KVPool.for_model(cfg, 1 << 40, 16, torch.float32, torch.device("cpu"))
+    msg = str(e.value)
+    assert f"{cfg.num_layers} layers x {(1 << 40) * 16} tokens x {cfg.num_kv_heads} kv heads" in msg, msg
+    assert "\n" not in msg
