@@ -206,6 +206,14 @@ class _StubSSE(BaseHTTPRequestHandler):
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
         self.wfile.flush()
 
+    def do_GET(self):  # /metrics, keyed as a server started with --api-key keys it
+        ok = self.path == "/metrics" and self.headers.get("Authorization") == "Bearer sesame"
+        payload = b"# TYPE ferroxmp_generation_tokens counter\nferroxmp_generation_tokens_total 42.0\n" if ok else b"{}"
+        self.send_response(200 if ok else 401)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if body["model"] == "missing":
@@ -256,6 +264,16 @@ def test_the_client_timestamps_each_content_chunk_as_it_arrives(stub_url):
     assert (r.prompt_tokens, r.completion_tokens, r.cached_tokens) == (11, 3, 8)
     assert all(gap >= 0.03 for gap in r.itl)
     assert r.ttft >= 0.03 and r.e2e >= r.ttft
+
+
+def test_the_bench_tools_send_the_servers_key_with_every_request_and_metrics_read(stub_url, monkeypatch):
+    """A server started with --api-key answers 401 to /metrics without the key: the tools
+    read no counters at all and reported nothing (issue 25). --api-key sets the variable."""
+    monkeypatch.setenv(bench.API_KEY_ENV, "")  # undone after the test, whatever parse_args sets
+    client = sys.modules["bench_client"]
+    assert client.scrape_counters(stub_url) == {}
+    bench.parse_args(["--api-key", "sesame"])
+    assert client.scrape_counters(stub_url) == {"ferroxmp_generation_tokens_total": 42.0}
 
 
 def test_http_errors_and_error_events_fail_the_request(stub_url):

@@ -171,6 +171,7 @@ class Stub:
         self.health = 200
         self.running = 0
         self.delay = 0.0  # seconds before the reply's headers, as a server's first token takes
+        self.metrics_key: Optional[str] = None  # /metrics answers 401 without this bearer key
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -189,6 +190,10 @@ class Stub:
             def do_GET(self):
                 if self.path == "/health":
                     self._send(stub.health, b'{"status": "ok"}', "application/json")
+                elif self.path == "/metrics" and stub.metrics_key and \
+                        self.headers.get("Authorization") != f"Bearer {stub.metrics_key}":
+                    self._send(401, b'{"error": {"message": "key", "type": "x", "param": null, "code": "k"}}',
+                               "application/json")
                 elif self.path == "/metrics":
                     text = f"ferroxmp_requests_running {stub.running}\nferroxmp_requests_waiting 0.0\n"
                     self._send(200, text.encode(), "text/plain")
@@ -455,6 +460,26 @@ def test_least_loaded_reads_the_backends_own_running_gauge(stubs, router):
     for _ in range(4):
         _raw_post(r.url, {"prompt": "x"}).raw.read()
     assert (len(busy.received), len(idle.received)) == (0, 4)
+
+
+def test_the_router_sends_the_backend_key_when_it_reads_a_keyed_backends_metrics(stubs, router):
+    """A backend started with --api-key refuses /metrics without the key: without
+    --backend-api-key the router saw load 0 on a busy backend and sent it work. The gauge
+    (7) can only reach the router's backend_load through the keyed poll."""
+    busy, idle = stubs(), stubs()
+    for s in (busy, idle):
+        s.pieces, s.metrics_key = [b"data: [DONE]\n\n"], "sesame"
+    busy.running = 7
+    r = router([busy.url, idle.url], "--policy", "least-loaded", "--health-interval", "0.2",
+               "--backend-api-key", "sesame")
+    _wait(lambda: r.metrics()[f'ferroxmp_router_backend_load{{backend="{busy.url}"}}'] == 7, 10)
+    for _ in range(3):
+        _raw_post(r.url, {"prompt": "x"}).raw.read()
+    assert (len(busy.received), len(idle.received)) == (0, 3)
+    blind = router([busy.url], "--health-interval", "0.2")  # no key: healthy, load unknown, said once
+    _wait(lambda: "needs the router's --backend-api-key" in blind.output(), 10)
+    assert blind.health()  # still routable
+    assert _raw_post(blind.url, {"prompt": "x"}).status_code == 200
 
 
 def _wait(cond, timeout: float) -> None:

@@ -14,6 +14,17 @@ from urllib.parse import urlsplit
 
 from bench_workloads import Job
 
+API_KEY_ENV = "FERROXMP_API_KEY"  # read by every request here; bench_serving's --api-key sets it
+
+
+def headers(extra: dict | None = None) -> dict:
+    """Request headers, with the server's key as a bearer token when one is set: a server
+    started with --api-key refuses /v1 and /metrics without it."""
+    out = dict(extra or {})
+    if key := os.environ.get(API_KEY_ENV):
+        out["Authorization"] = f"Bearer {key}"
+    return out
+
 @dataclass
 class RequestResult:
     """Timestamps (perf_counter seconds) and the server's usage for one request."""
@@ -91,7 +102,7 @@ def stream_request(base_url: str, endpoint: str, body: dict, timeout: float) -> 
     conn = conn_cls(url.hostname, url.port, timeout=timeout)
     result = RequestResult(start=time.perf_counter())
     try:
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        conn.request("POST", path, json.dumps(body), headers({"Content-Type": "application/json"}))
         resp = conn.getresponse()
         if resp.status // 100 != 2:
             result.error = f"HTTP {resp.status}: {resp.read(500).decode(errors='replace')}"
@@ -151,7 +162,7 @@ def scrape_counters(base_url: str, timeout: float = 5.0) -> dict[str, float]:
     url = urlsplit(base_url.rstrip("/"))
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
     try:
-        conn.request("GET", url.path + "/metrics")
+        conn.request("GET", url.path + "/metrics", headers=headers())
         resp = conn.getresponse()
         text = resp.read().decode(errors="replace") if resp.status == 200 else ""
     except (OSError, http.client.HTTPException):
@@ -226,7 +237,7 @@ def discover_model(base_url: str, timeout: float) -> str:
     url = urlsplit(base_url.rstrip("/"))
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
     try:
-        conn.request("GET", url.path + "/v1/models")
+        conn.request("GET", url.path + "/v1/models", headers=headers())
         return json.loads(conn.getresponse().read())["data"][0]["id"]
     except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError) as exc:
         sys.exit(f"cannot list the models of {base_url} ({type(exc).__name__}: {exc}); "

@@ -38,7 +38,7 @@ from dataclasses import asdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its modules, also when loaded by path (tests)
 # Re-exported for the tests and tools/bench_structured.py, which load this file by path.
-from bench_client import (RequestResult, Target, counter_deltas, discover_model, process_cpu,  # noqa: E402
+from bench_client import (API_KEY_ENV, RequestResult, Target, counter_deltas, discover_model, process_cpu,  # noqa: E402
                           run_job, settled_sum, stream_request)
 from bench_report import ROWS, format_table, lookup, percentile, ratio, stats_ms, summarize  # noqa: E402,F401
 from bench_workloads import Job, multi_turn_jobs, poisson_arrivals, random_jobs, shared_prefix_jobs  # noqa: E402
@@ -132,6 +132,8 @@ def build_jobs(args, seed: int | None = None) -> list[Job]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=None,
+                   help=f"sent as a bearer token on every request and /metrics read (default: ${API_KEY_ENV})")
     p.add_argument("--model", help="model name to send (default: first of GET /v1/models)")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--dialect", choices=("openai", "transformers"), default="openai",
@@ -170,6 +172,8 @@ def parse_args(argv=None):
     p.add_argument("--out", help="write the summaries and every request's record as JSON")
     p.add_argument("--plot", help="PNG of TTFT and ITL distributions (needs matplotlib)")
     args = p.parse_args(argv)
+    if args.api_key:
+        os.environ[API_KEY_ENV] = args.api_key
     if args.workload == "multi-turn" and args.endpoint != "chat":
         print("multi-turn resends the conversation as chat messages: using --endpoint chat", file=sys.stderr)
         args.endpoint = "chat"

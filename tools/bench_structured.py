@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import random
 import statistics
 import sys
@@ -34,7 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from bench_serving import process_cpu  # tools/ is on sys.path when run as a script
+from bench_serving import process_cpu  # tools/ is on sys.path when run as a script (and bench_serving puts it there)
+from bench_client import API_KEY_ENV, headers  # noqa: E402
 
 WORDS = ("the of and to in is was for on are as with his they at be this from have or by one had not "
          "but what all were when we there can an your which their said if do will each about how up "
@@ -80,7 +82,7 @@ def post(base: str, body: dict, timeout: float) -> dict:
     u = urlsplit(base)
     conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout)
     try:
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        conn.request("POST", "/v1/completions", json.dumps(body), headers({"Content-Type": "application/json"}))
         resp = conn.getresponse()
         data = resp.read()
         if resp.status != 200:
@@ -146,12 +148,15 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--out", help="write every batch as JSON")
+    p.add_argument("--api-key", default=None, help=f"the server's --api-key (default: ${API_KEY_ENV})")
     args = p.parse_args(argv)
+    if args.api_key:
+        os.environ[API_KEY_ENV] = args.api_key
     model = args.model
     if model is None:
         u = urlsplit(args.base_url)
         conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=30)
-        conn.request("GET", "/v1/models")
+        conn.request("GET", "/v1/models", headers=headers())
         model = json.loads(conn.getresponse().read())["data"][0]["id"]
     warm = [run_batch(args, model, False), run_batch(args, model, True)]
     for b in warm:

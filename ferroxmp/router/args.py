@@ -32,6 +32,9 @@ class RouterArgs:
     upstream_timeout: float = _f(600.0, "Seconds a proxied request may wait on a backend's socket.")
     api_key: Optional[str] = _f(None, "Require 'Authorization: Bearer KEY' on /v1 and /generate; the client's "
                                 "Authorization header is forwarded to the backend either way.")
+    backend_api_key: Optional[str] = _f(None, "Key the router sends as 'Authorization: Bearer KEY' when it polls each "
+                                        "backend's /metrics (a backend started with --api-key refuses it "
+                                        "otherwise); default: --api-key. Also FERROXMP_BACKEND_API_KEY.")
     http_threads: int = _f(256, "HTTP worker threads (each streaming client holds one).")
     max_body_bytes: int = _f(64 * 1024 * 1024, "Largest request body accepted (413 beyond).")
     shutdown_grace: float = _f(30.0, "Seconds SIGTERM waits for proxied requests to finish.")

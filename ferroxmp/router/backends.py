@@ -34,6 +34,7 @@ class Backend:
     waiting: float = 0.0  # ferroxmp_requests_waiting at the last poll
     routed: int = 0
     last_error: Optional[str] = None
+    metrics_status: int = 200  # of the last /metrics poll
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +85,7 @@ class BackendPool:
     backends: list[Backend]
     interval: float = 1.0
     timeout: float = 2.0
+    api_key: Optional[str] = field(default=None, repr=False)  # sent on every poll (a keyed backend's /metrics)
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def healthy(self) -> list[Backend]:
@@ -92,7 +94,8 @@ class BackendPool:
     def _get(self, b: Backend, path: str) -> tuple[int, bytes]:
         conn = b.connection(self.timeout)
         try:
-            conn.request("GET", b.prefix + path)
+            conn.request("GET", b.prefix + path,
+                         headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
             resp = conn.getresponse()
             return resp.status, resp.read()
         finally:
@@ -104,9 +107,15 @@ class BackendPool:
             if status != 200:
                 b.mark_dead(f"/health answered {status}")
                 return
-            _, text = self._get(b, "/metrics")
+            status, text = self._get(b, "/metrics")
             gauges = parse_gauges(text.decode(errors="replace"),
                                   ("ferroxmp_requests_running", "ferroxmp_requests_waiting"))
+            if status != 200 and b.metrics_status != status:
+                # Healthy but its load unknown (a keyed backend without the key: 401): the
+                # router's own in-flight count stands in; said once, not every poll.
+                log.warning("backend %s: /metrics answered %d; its load is the router's count only "
+                            "(a backend with --api-key needs the router's --backend-api-key)", b.url, status)
+            b.metrics_status = status
         except (OSError, http.client.HTTPException, ValueError) as e:
             b.mark_dead(f"{type(e).__name__}: {e}")
             return

@@ -6,6 +6,7 @@ requests to finish (a second signal stops at once), exit 0.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -38,7 +39,10 @@ class RouterState:
 
 def build_state(args: RouterArgs) -> RouterState:
     backends = [Backend(url, PrefixTree(args.block_chars, args.tree_max_blocks)) for url in args.backend]
-    pool = BackendPool(backends, args.health_interval, args.health_timeout)
+    # The key for polling /metrics: a keyed backend refuses it without one, and the router
+    # would then call a living backend dead. The flag, else the environment, else --api-key.
+    key = args.backend_api_key or os.environ.get("FERROXMP_BACKEND_API_KEY") or args.api_key
+    pool = BackendPool(backends, args.health_interval, args.health_timeout, api_key=key)
     policy = make_policy(args.policy, args.balance_abs_threshold, args.balance_rel_threshold, args.cache_threshold)
     return RouterState(args, pool, policy, RouterMetrics(pool))
 
