@@ -17,7 +17,7 @@ from ferroxmp.frontend.tokenizer import TextCodec
 from ferroxmp.protocol import Grammar, NewRow, RowStep, SamplingParams, pack_ids, unpack_ids
 
 jsonschema = pytest.importorskip("jsonschema")
-xgr = pytest.importorskip("xgrammar")
+llg = pytest.importorskip("llguidance")
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 6},

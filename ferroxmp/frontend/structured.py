@@ -3,8 +3,8 @@ SamplingParams values, or an ApiError(400) naming the field.
 
 Job: read `response_format` (OpenAI's text / json_object / json_schema), `regex` and
 `ebnf` (SGLang's names), `logit_bias` and `min_tokens`; check a grammar with the
-engine's own parser (xgrammar, imported on the first constrained request: it loads
-transformers) so a schema, regex or EBNF the worker could not compile is a 400 here,
+engine's own parser (llguidance, grammar_spec.py) so a schema, regex or EBNF the
+worker could not compile, or a schema keyword it could not enforce, is a 400 here,
 before anything is queued.
 
 Invariants: at most one constraint per request; a spec is at most MAX_SPEC_CHARS; a
@@ -75,19 +75,11 @@ def _one(f: Fields, name: str) -> Optional[Grammar]:
 
 
 def parse_error(g: Grammar) -> Optional[str]:
-    """Why xgrammar cannot build `g` (None: it can). No vocabulary is needed to parse."""
-    import xgrammar as xgr
-    try:
-        if g.kind == "json_schema":
-            xgr.Grammar.from_json_schema(g.spec, any_whitespace=False)
-        elif g.kind == "regex":
-            xgr.Grammar.from_regex(g.spec)
-        elif g.kind == "ebnf":
-            xgr.Grammar.from_ebnf(g.spec)
-    except Exception as e:  # xgrammar raises RuntimeError / ValueError with the parser's message
-        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-        return (lines[-1] if lines else type(e).__name__)[:300]
-    return None
+    """Why the grammar engine (llguidance) cannot build `g` (None: it can), for every
+    kind (json_object, json_schema, regex, ebnf, lark). No vocabulary is needed; a
+    JSON Schema keyword the engine cannot enforce is named ("Unimplemented keys: ...")."""
+    from ferroxmp.grammar_spec import check
+    return check(g)
 
 
 def logit_bias(f: Fields, vocab_size: int) -> dict[int, float]:

@@ -1,69 +1,68 @@
 """Structured output in the worker: one grammar matcher per constrained row, and the
 token bitmasks that confine its next token to what the grammar allows.
 
-Job: compile a request's Grammar (json_object, json_schema, regex, ebnf) with xgrammar
-against this checkpoint's vocabulary (cached by spec), keep a row's matcher in step
-with the tokens the worker samples for it, and write its bitmask for the next step
-(the sampler's `apply_bitmask` turns bitmasks into -inf logits).
+Job: compile a request's Grammar (json_object, json_schema, regex, ebnf, lark) with
+llguidance against this checkpoint's vocabulary (an LRU of compiled matchers keyed by
+a hash of kind + spec), keep a row's matcher in step with the tokens the worker
+samples for it, and write its bitmask for the next step (the sampler's
+`apply_bitmask` turns bitmasks into -inf logits).
 
-Why xgrammar: measured against llguidance 1.9.1 on the same vocabularies
-(tools/bench_grammar.py; CPU shared with other jobs): the per-step mask, paid on
-every decode step of a constrained row, is 9 us vs 224 us (tiny, 1k vocab) and 18 us vs 90 us (SmolLM2,
-49k vocab); llguidance compiles faster (1-2 ms vs 4-24 ms), but compiling happens
-once per spec and is cached. xgrammar also reads EBNF (SGLang's `ebnf`) natively.
+Why llguidance (it replaced xgrammar; tools/bench_grammar.py, docs/BENCHMARKS.md):
+xgrammar precomputes per vocabulary token at compile time, so a schema of 1,200
+optional properties took ~19 s (minutes for 3,000) inside the batch loop; llguidance
+builds lazily (3,000 properties: 0.87 s to the first mask) and bounds its own work
+(LLParserLimits). It is exact on JSON Schema: no raw control bytes or broken UTF-8 in
+strings, maxLength counted in characters, and a keyword it cannot enforce is an error
+naming it (so the frontend refuses it with a 400). Its per-step mask is slower
+(~90 us vs 18 us on a 49k vocabulary), paid per constrained decode step.
+
+Compiling happens off the batch loop (grammar_prep.py warms this cache in a thread:
+llguidance drops the GIL); `matcher` compiles inline only for a spec evicted between
+its preparation and its row, within the same LLParserLimits.
 
 Invariants:
 - Only the model's EOS ids are stop tokens, allowed only where the grammar accepts;
   once the grammar is complete only they are allowed, so the row stops ("stop").
 - Special tokens other than EOS and the padding ids past the tokenizer's vocabulary
   are never allowed (their bytes are given as empty).
-- A row's matcher is built fresh from its NewRow: tokens generated before a
+- A row's matcher is a copy of the compiled one: tokens generated before a
   retraction (after prompt_len) are replayed into it, so retraction, abort and a
   reused row slot never see another row's state.
-- JSON rows never get a token holding a raw control byte (xgrammar's JSON strings
-  admit them; JSON does not).
+- JSON rows never get a raw control byte inside a string (llguidance's JSON lexer is
+  exact; tests/test_grammar_walk.py checks it by random walks).
 - A matcher that has accepted its stop token (a step the scheduler sent before it
   saw the finish) allows only EOS and ignores what it is fed: that token is dropped.
 """
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import llguidance as llg
 import torch
-import xgrammar as xgr
 
+from ..grammar_spec import GrammarError, _short, limits, spec_key, to_llguidance
 from ..protocol import Grammar
 
-CACHE_SIZE = 256  # compiled grammars kept (by kind + spec)
-
-
-class GrammarError(ValueError):
-    """A spec the engine cannot compile, or a replayed token the grammar refuses."""
+CACHE_SIZE = 256  # compiled grammars kept (by hash of kind + spec)
 
 
 class GrammarCache:
-    """xgrammar's compiler for one vocabulary, with an LRU of compiled grammars."""
+    """llguidance's tokenizer for one vocabulary, with an LRU of compiled matchers."""
 
-    def __init__(self, token_bytes: Sequence[bytes], vocab_size: int, eos_ids: Sequence[int]):
+    def __init__(self, token_bytes: Sequence[bytes], vocab_size: int, eos_ids: Sequence[int], encode=None):
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
-        info = xgr.TokenizerInfo(list(token_bytes), xgr.VocabType.RAW, vocab_size=vocab_size,
-                                 stop_token_ids=self.eos_ids)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        toks = list(token_bytes) + [b""] * (vocab_size - len(token_bytes))
+        wrapper = _Vocab(toks, self.eos_ids, encode)
+        self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(wrapper), n_vocab=vocab_size,
+                                         eos_token=self.eos_ids)
+        self._cache: OrderedDict[str, llg.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self.compiles = 0  # how many specs were compiled (tests: the cache is used)
-        # xgrammar's JSON strings admit raw control bytes (< 0x20), which JSON forbids
-        # unescaped (json.loads refuses them): JSON rows also AND this mask, which drops
-        # every token holding one. Compact JSON never needs them outside strings, and a
-        # string can always go on with an escape or end, so no row is left without a token.
-        clean = torch.tensor([not any(b < 0x20 for b in tok) for tok in token_bytes]
-                             + [False] * (vocab_size - len(token_bytes)))
-        clean[self.eos_ids] = True
-        self.json_clean = _pack_bits(clean)
 
     @classmethod
     def for_checkpoint(cls, model_path: str, vocab_size: int, eos_ids: Sequence[int]) -> "GrammarCache":
@@ -71,76 +70,101 @@ class GrammarCache:
         codec = TextCodec(model_path)
         n = min(codec.vocab_size, vocab_size)
         toks = [b"" if codec.is_special(i) and i not in eos_ids else codec.token_bytes(i) for i in range(n)]
-        return cls(toks, vocab_size, eos_ids)
+        return cls(toks, vocab_size, eos_ids, encode=lambda b: codec.encode(b.decode("utf-8", "replace")))
 
-    def compile(self, g: Grammar) -> xgr.CompiledGrammar:
-        key = (g.kind, g.spec)
+    def cached(self, g: Grammar) -> bool:
+        with self._lock:
+            return spec_key(g) in self._cache
+
+    def compile(self, g: Grammar) -> tuple[llg.LLMatcher, bool, float]:
+        """(compiled matcher, was cached, seconds spent compiling). The matcher is built
+        and its first mask computed (llguidance builds lazily: the first mask is where a
+        large schema costs), outside the lock, so the GIL and other specs are free."""
+        key = spec_key(g)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
-                return self._cache[key]
-        try:
-            if g.kind == "json_object":  # any object; strict_mode off so any property may appear
-                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                             strict_mode=False)
-            elif g.kind == "json_schema":
-                compiled = self.compiler.compile_json_schema(g.spec, any_whitespace=False)
-            elif g.kind == "regex":
-                compiled = self.compiler.compile_regex(g.spec)
-            elif g.kind == "ebnf":
-                compiled = self.compiler.compile_grammar(g.spec)
-            else:
-                raise GrammarError(f"unknown grammar kind {g.kind!r}")
-        except GrammarError:
-            raise
-        except Exception as e:
-            raise GrammarError(f"cannot compile the {g.kind} grammar: {e}") from None
+                return self._cache[key], True, 0.0
+        t0 = time.perf_counter()
+        m = llg.LLMatcher(self.tokenizer, to_llguidance(g), log_level=0, limits=limits())
+        if not m.is_error():
+            m.compute_bitmask()
+        if m.is_error():
+            raise GrammarError(f"cannot compile the {g.kind} grammar: {_short(m.get_error())}")
         with self._lock:
             self.compiles += 1
-            self._cache[key] = compiled
+            self._cache[key] = m
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return compiled
+        return m, False, time.perf_counter() - t0
 
     def matcher(self, g: Grammar, generated: Sequence[int] = ()) -> "RowGrammar":
         """A fresh matcher for one row, advanced over the tokens it already generated."""
-        rg = RowGrammar(xgr.GrammarMatcher(self.compile(g)), self.eos_ids,
-                        self.json_clean if g.kind in ("json_object", "json_schema") else None)
+        rg = RowGrammar(self.compile(g)[0].deep_copy(), self.eos_ids)
         for i, tok in enumerate(generated):
-            if not rg.matcher.accept_token(int(tok)):
-                raise GrammarError(f"generated token {tok} (#{i}) does not fit the row's grammar")
+            if rg.done:
+                break
+            if not rg.matcher.consume_token(int(tok)):
+                raise GrammarError(f"generated token {tok} (#{i}) does not fit the row's grammar: "
+                                   f"{_short(rg.matcher.get_error())}")
         return rg
+
+
+@dataclass
+class _Vocab:
+    """What llguidance's TokenizerWrapper reads: token bytes, EOS, and an encoder (used
+    only to tokenize forced text, which this module never asks for)."""
+    tokens: list[bytes]
+    eos: list[int]
+    encode: object = None
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.eos[0]
+
+    bos_token_id = None
+
+    @property
+    def special_token_ids(self) -> list[int]:
+        return list(self.eos)
+
+    def __call__(self, s):
+        if self.encode is None:
+            raise NotImplementedError("no encoder")
+        return self.encode(s if isinstance(s, bytes) else s.encode())
 
 
 @dataclass
 class RowGrammar:
     """One row's matcher."""
-    matcher: xgr.GrammarMatcher
+    matcher: llg.LLMatcher
     eos_ids: list[int]
-    also: Optional[torch.Tensor] = None  # a bitmask ANDed into every step's (JSON: no control bytes)
 
     @property
     def done(self) -> bool:
-        return self.matcher.is_terminated()
+        return self.matcher.is_stopped()
 
     def fill(self, bitmask: torch.Tensor, index: int) -> None:
         """Write this row's allowed-next-token bits into bitmask[index]."""
+        row = bitmask[index]
         if self.done:
-            bitmask[index].zero_()
+            row.zero_()
             for t in self.eos_ids:
-                bitmask[index, t // 32] |= _bit(t % 32)
-        else:
-            self.matcher.fill_next_token_bitmask(bitmask, index)
-            if self.also is not None:
-                bitmask[index] &= self.also
+                row[t // 32] |= _bit(t % 32)
+            return
+        assert row.is_contiguous() and row.dtype == torch.int32 and row.device.type == "cpu"
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+        if self.matcher.is_error():
+            raise GrammarError(f"the grammar failed: {_short(self.matcher.get_error())}")
 
     def advance(self, token: int) -> None:
         """Feed the sampled token. The mask only allowed tokens the matcher accepts, so
         a refusal here means a bug; it is raised, not ignored."""
         if self.done:
             return
-        if not self.matcher.accept_token(int(token)):
-            raise GrammarError(f"sampled token {token} does not fit the grammar")
+        if not self.matcher.consume_token(int(token)):
+            raise GrammarError(f"sampled token {token} does not fit the grammar: "
+                               f"{_short(self.matcher.get_error())}")
 
 
 def _bit(i: int) -> int:
@@ -149,7 +173,7 @@ def _bit(i: int) -> int:
 
 
 def _pack_bits(allowed: torch.Tensor) -> torch.Tensor:
-    """bool [vocab] -> int32 [ceil(vocab/32)] in xgrammar's layout."""
+    """bool [vocab] -> int32 [ceil(vocab/32)] in the engine's layout (bit t % 32 of word t // 32)."""
     words = (allowed.numel() + 31) // 32
     bits = torch.zeros(words * 32, dtype=torch.int64)
     bits[:allowed.numel()] = allowed.long()
@@ -158,4 +182,4 @@ def _pack_bits(allowed: torch.Tensor) -> torch.Tensor:
 
 
 def allocate(n: int, vocab_size: int) -> torch.Tensor:
-    return xgr.allocate_token_bitmask(n, vocab_size)
+    return torch.full((n, (vocab_size + 31) // 32), -1, dtype=torch.int32)
