@@ -73,6 +73,12 @@ class ServerArgs:
     deterministic: bool = _f(False, "Same request, same bits: tokens and logprobs independent of the batch, "
                              "chunking, cache hits, overlap and retraction (batch-invariant matmuls and "
                              "attention; costs throughput: docs/BENCHMARKS.md section 11).")
+    quantization: str = _f("auto", "Weights kept compressed on CPU, multiplied by FBGEMM. fp16: float16 weights, "
+                           "float32 activations (greedy output equal to none on SmolLM2). int8: int8 weights with a "
+                           "scale per output row AND activations quantized per call (faster, lossy on small models). "
+                           "auto = fp16 for a GGUF file, none for a Hugging Face folder; none = float weights (a "
+                           "GGUF dequantized). Float on CUDA and with --deterministic (fp16/int8 refused there).",
+                           ["auto", "none", "fp16", "int8"])
 
     def validate(self) -> None:
         """Raise ValueError('--flag: why') for the first bad value."""
@@ -120,6 +126,12 @@ class ServerArgs:
             bad("node_rank", f"must be in 0..{self.nnodes - 1}, got {self.node_rank}")
         if self.nnodes > 1 and not re.fullmatch(r"\[?[\w.:-]+\]?:\d{1,5}", self.dist_init_addr or ""):
             bad("dist_init_addr", f"--nnodes {self.nnodes} needs node 0's host:port, got {self.dist_init_addr!r}")
+        if self.deterministic and self.quantization in ("fp16", "int8"):  # FBGEMM: batch invariance unverified
+            bad("quantization", f"{self.quantization} is not verified batch-invariant; use --quantization none "
+                "with --deterministic")
+        if self.device == "cuda" and self.quantization in ("fp16", "int8"):
+            bad("quantization", f"{self.quantization} runs through FBGEMM, which is CPU only; use --quantization "
+                "none on CUDA")
         if self.deterministic and self.tp > 1:  # the follower ranks (tp_step.py) build the default kernels
             bad("deterministic", "is not implemented with --tp > 1 yet; use --tp 1")
         if self.nnodes == 1 and self.dist_init_addr is not None:

@@ -41,14 +41,15 @@ class RunnerHarness:
     """Drives a ModelRunner the way the scheduler would, on a private PagePool: row r owns
     pages [r * pages_per_row, (r + 1) * pages_per_row) unless a test rewrites its table."""
 
-    def __init__(self, model_path: str, page_size: int = 16, max_rows: int = 8, pages_per_row: int = 40):
+    def __init__(self, model_path: str, page_size: int = 16, max_rows: int = 8, pages_per_row: int = 40,
+                 **runner_kw):
         from ferroxmp.gpu_worker.runner import ModelRunner
         from ferroxmp.radix.pages import PagePool
         self.page_size = page_size
         self.pages_per_row = pages_per_row
         self.pool = PagePool.create(max_rows * pages_per_row, max_rows, pages_per_row)
         try:
-            self.runner = ModelRunner(model_path, self.pool, page_size, device="cpu", keep_logits=True)
+            self.runner = ModelRunner(model_path, self.pool, page_size, device="cpu", keep_logits=True, **runner_kw)
         except BaseException:
             self.close()
             raise

@@ -242,20 +242,55 @@ def _progress(total: int, what: str) -> tqdm:
 Select = Callable[[str, tuple], Optional[tuple]]
 
 
+def _quantize_then_select(name: str, t: torch.Tensor, select: Optional[Select]):
+    """A weight quantize.py keeps int8: quantized whole (each row's scale from the whole
+    row), then cut, so a tensor-parallel shard holds exactly tp=1's values."""
+    from .quant import Int8Rows
+    index = () if select is None else select(name, tuple(t.shape))
+    if index is None:
+        return None
+    rows = Int8Rows.quantize(t)
+    return rows[index] if index else rows
+
+
+def _release_freed_memory() -> None:
+    """Give the float copies freed during loading back to the OS (glibc keeps freed heap
+    pages otherwise, and the resident size would still count them)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
 def load_weights(model_path: str, device: torch.device, dtype: torch.dtype,
-                 select: Optional[Select] = None) -> dict[str, torch.Tensor]:
+                 select: Optional[Select] = None, quantization: str = "none") -> dict[str, Any]:
     """Every tensor, or with `select(name, shape)` -> a tuple of slices (() = whole,
     None = skip) only those parts: a tensor-parallel rank's shard (tp.py). Safetensors
-    slices are read from the file as slices; GGUF tensors are dequantized whole, then cut."""
+    slices are read from the file as slices; GGUF tensors are dequantized whole, then cut.
+    quantization (a mode resolved by quant.resolve_mode): 'int8' - the tensors
+    quant.should_quantize names come back as quant.Int8Rows, each quantized whole then cut;
+    'fp16' - those tensors come back in float16 (the model packs them for FBGEMM)."""
+    from .quant import should_quantize
+    quantized = quantization == "int8"
+    half = lambda name: torch.float16 if quantization == "fp16" and should_quantize(name) else dtype  # noqa: E731
     if is_gguf(model_path):
-        return _load_gguf_weights(model_path, device, dtype, select)
+        out = _load_gguf_weights(model_path, device, dtype, select, quantization)
+        _release_freed_memory()
+        return out
     from safetensors import safe_open
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
     for path in weight_files(model_path):
         with safe_open(path, framework="pt", device="cpu") as f:
             names = list(f.keys())
             with _progress(len(names), f"loading {os.path.basename(path)}") as bar:
                 for name in names:
+                    if quantized and should_quantize(name):
+                        t = _quantize_then_select(name, f.get_tensor(name), select)
+                        if t is not None:
+                            out[name] = t.to(device)
+                        bar.update()
+                        continue
                     if select is None:
                         t = f.get_tensor(name)
                     else:
@@ -263,46 +298,78 @@ def load_weights(model_path: str, device: torch.device, dtype: torch.dtype,
                         index = select(name, tuple(part.get_shape()))
                         t = None if index is None else (part[index] if index else part[:])
                     if t is not None:
-                        out[name] = t.to(device=device, dtype=dtype)
+                        out[name] = t.to(device=device, dtype=half(name))
                     bar.update()
+    if quantization != "none":
+        _release_freed_memory()
     return out
 
 
 def _load_gguf_weights(model_path: str, device: torch.device, dtype: torch.dtype,
-                       select: Optional[Select] = None) -> dict[str, torch.Tensor]:
+                       select: Optional[Select] = None, quantization: str = "none") -> dict[str, Any]:
     from ..checkpoint.gguf_config import hf_config
     from ..checkpoint.gguf_file import open_gguf
     from ..checkpoint.gguf_weights import iter_weights, weight_names
+    from .quant import should_quantize
+    from .quant.policy import log_gguf_conversions
     g = open_gguf(model_path)
     raw = hf_config(g)
     heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]
-    out: dict[str, torch.Tensor] = {}
+    quantized = quantization == "int8"
+    if quantization != "none":
+        log_gguf_conversions(g, quantization)
+    out: dict[str, Any] = {}
     with _progress(len(weight_names(g)), f"dequantizing {os.path.basename(model_path)}") as bar:
         for name, w in iter_weights(g, heads, kv_heads):
+            if quantized and should_quantize(name):
+                rows = _quantize_then_select(name, torch.from_numpy(w), select)
+                if rows is not None:
+                    out[name] = rows.to(device)
+                bar.update()
+                continue
             index = () if select is None else select(name, tuple(w.shape))
             if index is not None:
                 w = w[index] if index else w
                 w = w.copy() if not w.flags.writeable or index else w  # mapped read-only; a slice: own it
-                out[name] = torch.from_numpy(w).to(device=device, dtype=dtype)
+                kept = torch.float16 if quantization == "fp16" and should_quantize(name) else dtype
+                out[name] = torch.from_numpy(w).to(device=device, dtype=kept)
             bar.update()
     return out
 
 
-def weight_bytes(model_path: str, dtype: torch.dtype) -> int:
-    """Bytes the weights will take in `dtype` (from the file headers, nothing loaded)."""
+def weight_bytes(model_path: str, dtype: torch.dtype, quantization: str = "none") -> int:
+    """Bytes the weights will take in `dtype` (from the file headers, nothing loaded);
+    with quantization='int8', the tensors quant.should_quantize names count one byte per
+    value plus a float32 scale per row ('fp16': two bytes per value), and a head tied to
+    the embedding a second copy (FBGEMM's packed one)."""
+    from .quant import should_quantize
     itemsize = torch.empty((), dtype=dtype).element_size()
+    shapes: dict[str, tuple] = {}
     if is_gguf(model_path):
         from ..checkpoint.gguf_file import open_gguf
-        from ..checkpoint.gguf_weights import weight_names
+        from ..checkpoint.gguf_weights import hf_name, weight_names
         g = open_gguf(model_path)
-        return sum(g.tensors[n].n_elements for n in weight_names(g)) * itemsize
-    from safetensors import safe_open
+        shapes = {hf_name(n): g.tensors[n].shape for n in weight_names(g)}
+    else:
+        from safetensors import safe_open
+        for path in weight_files(model_path):
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
     total = 0
-    for path in weight_files(model_path):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                n = 1
-                for d in f.get_slice(name).get_shape():
-                    n *= d
-                total += n * itemsize
+    for name, shape in shapes.items():
+        n = 1
+        for d in shape:
+            n *= d
+        quantized = quantization != "none" and should_quantize(name)
+        total += _quantized_bytes(shape, n, quantization) if quantized else n * itemsize
+    if quantization != "none" and "lm_head.weight" not in shapes and "model.embed_tokens.weight" in shapes:
+        shape = shapes["model.embed_tokens.weight"]  # the tied head's FBGEMM-packed copy
+        total += _quantized_bytes(shape, shape[0] * shape[1], quantization)
     return total
+
+
+def _quantized_bytes(shape: tuple, n: int, quantization: str) -> int:
+    if quantization == "int8":
+        return n + 4 * shape[0]
+    return 2 * n if quantization == "fp16" else 0

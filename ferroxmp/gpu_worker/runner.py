@@ -33,6 +33,7 @@ from .isolation import fail_batch, skip_failed
 from .kv_pool import KVPool
 from .loader import ModelConfig, load_config, load_weights, resolve_device
 from .models import build_model
+from .quant import describe_bytes, resolve_mode
 from .sampler import RowSample, logprobs_of, sample_rows
 
 if TYPE_CHECKING:  # xgrammar (and the transformers it imports) loads on the first constrained row
@@ -56,16 +57,18 @@ class RowState:
 class ModelRunner:
     def __init__(self, model_path: str, pool: PagePool, page_size: int, device: str = "auto",
                  dtype: str = "auto", attention: str = "auto", tp=None, deterministic: bool = False,
-                 cuda_graph: bool = True, keep_logits: bool = False):
+                 cuda_graph: bool = True, keep_logits: bool = False, quantization: str = "auto"):
         self.device = resolve_device(device)
         self.config: ModelConfig = load_config(model_path, dtype)
+        # --quantization: 'none', 'fp16' or 'int8' for this checkpoint and device (quant/policy.py)
+        self.quantization = resolve_mode(quantization, model_path, self.device, deterministic)
         self.tp = tp  # --tp > 1: a tp_step.Leader, which tells the other ranks each step
         if tp is None:
-            weights = load_weights(model_path, self.device, self.config.dtype)
+            weights = load_weights(model_path, self.device, self.config.dtype, quantization=self.quantization)
             self.model = build_model(self.config, weights, self.device)
             shape = self.config
         else:  # this rank's shard (tp.py): its heads, its slice of the MLP and vocabulary
-            self.model, shape = tp.build_model(model_path, self.config, self.device)
+            self.model, shape = tp.build_model(model_path, self.config, self.device, self.quantization)
         if deterministic:  # --deterministic: batch-invariant matmuls and attention (batch_invariant.py)
             if self.device.type != "cpu":
                 raise RuntimeError("--deterministic is measured and tested on CPU only; on CUDA the "
@@ -104,7 +107,14 @@ class ModelRunner:
         self.attn = make_backend(self.kv, self.config.sliding_window, self.device, self._attention,
                                  num_heads=self._shape.num_heads)
         self.graphs = self._decode_graphs(pool) if graphs else None
+        log.info("memory: %s", describe_bytes(self.model.weight_bytes(), self.kv.nbytes))
         return self
+
+    def memory_info(self) -> dict:
+        """Resident weight bytes by format and the KV pool's bytes (this rank's), for /server_info."""
+        weights = self.model.weight_bytes()
+        return {"quantization": self.quantization, "weight_bytes": sum(weights.values()),
+                "weight_bytes_by_format": weights, "kv_bytes": self.kv.nbytes}
 
     def profile_step(self, lengths: list[int]) -> None:
         """One prefill step of len(lengths) rows, each sampling (the largest step the

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
 from .loader import ModelConfig, UnsupportedModel, load_weights
 
@@ -122,6 +121,8 @@ class Shard:
         """The last vocabulary shard, padded with zero rows to ceil(V/N) (all-gather needs
         equal shards; the padding's logits are cut off after the gather)."""
         missing = self.vocab_rows - w.shape[0]
+        if not isinstance(w, torch.Tensor):  # quant.Int8Rows
+            return w.pad_rows(missing)
         return w if missing == 0 else torch.cat([w, w.new_zeros(missing, *w.shape[1:])])
 
 
@@ -169,10 +170,12 @@ class TPGroup:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)[..., :vocab_size]
 
-    def embed(self, ids: torch.Tensor, table: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """Vocab-parallel lookup: rows this rank does not hold count as zeros, then sum."""
+    def embed(self, ids: torch.Tensor, table, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        """Vocab-parallel lookup: rows this rank does not hold count as zeros, then sum
+        (`table`: float, or quant.Int8Rows read row by row)."""
+        from .models.llama import embedding
         outside = (ids < lo) | (ids >= hi)
-        h = F.embedding((ids - lo).masked_fill(outside, 0), table)
+        h = embedding((ids - lo).masked_fill(outside, 0), table, dtype)
         return self.all_reduce(h.masked_fill(outside[:, None], 0))
 
     def agree(self, values: list[int]) -> list[int]:
@@ -201,13 +204,16 @@ class TPGroup:
                 pass
 
 
-def build_model(model_path: str, cfg: ModelConfig, device: torch.device, tp: TPGroup):
+def build_model(model_path: str, cfg: ModelConfig, device: torch.device, tp: TPGroup,
+                quantization: str = "none"):
     """This rank's shard of the model, its hooks joined through `tp`; returns (model,
     local config). Safetensors are read slice by slice; a GGUF is dequantized whole and
-    then sliced (llama.cpp's block quantization has no per-row reader here)."""
+    then sliced (llama.cpp's block quantization has no per-row reader here). With
+    quantization='int8' each weight is quantized whole, then sliced: a shard holds
+    exactly the int8 values and row scales tp=1 holds."""
     from .models import build_model as build
     shard = Shard(cfg, tp.rank, tp.world)
-    weights = load_weights(model_path, device, cfg.dtype, select=shard.index)
+    weights = load_weights(model_path, device, cfg.dtype, select=shard.index, quantization=quantization)
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         if name in weights:
             weights[name] = shard.pad_vocab(weights[name])
@@ -215,6 +221,6 @@ def build_model(model_path: str, cfg: ModelConfig, device: torch.device, tp: TPG
     lo, hi = shard.vocab_lo, shard.vocab_hi
     model.reduce_sum = tp.all_reduce
     model.gather_vocab = lambda x: tp.gather_vocab(x, cfg.vocab_size)
-    model.embed_ids = lambda ids: tp.embed(ids, model.embed, lo, hi)
+    model.embed_ids = lambda ids: tp.embed(ids, model.embed, lo, hi, cfg.dtype)
     return model, shard.local_config
 

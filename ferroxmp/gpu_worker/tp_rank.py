@@ -30,6 +30,7 @@ from ..radix.pages import PagePool
 from .attention import backend_layout, make_backend
 from .kv_pool import KVPool, pages_for_budget
 from .loader import UnsupportedModel, load_config, weight_bytes
+from .quant import resolve_mode
 from .tp import Shard, build_model
 from .tp_step import LOGITS, STEP, STOP, TICK, Channel, agree_pages, decode_step, join, rank_device
 
@@ -79,7 +80,8 @@ def run_follower(launch: dict, run_dir: str, rank: int) -> int:
     pool: Optional[PagePool] = None
     try:
         num_pages = agree_pages(tp, num_pages, sa, cfg, max_pages_per_row)
-        model, shape = build_model(sa.model, cfg, device, tp)
+        quantization = resolve_mode(sa.quantization, sa.model, device, sa.deterministic)  # as rank 0 does
+        model, shape = build_model(sa.model, cfg, device, tp, quantization)
         kv = KVPool.for_model(shape, num_pages, sa.page_size, cfg.dtype, device, layout=backend_layout(device))
         attn = make_backend(kv, cfg.sliding_window, device, num_heads=shape.num_heads)
         tp.barrier()  # every rank loaded; rank 0 created the page pool before it loaded

@@ -142,8 +142,8 @@ class Leader:
         attn.forget = forget_everywhere  # an instance attribute: this backend object only
         self.tp.barrier()
 
-    def build_model(self, model_path: str, cfg: ModelConfig, device: torch.device):
-        return build_model(model_path, cfg, device, self.tp)
+    def build_model(self, model_path: str, cfg: ModelConfig, device: torch.device, quantization: str = "none"):
+        return build_model(model_path, cfg, device, self.tp, quantization)
 
     def send_step(self, plan: StepPlan, ids: np.ndarray) -> None:
         self.busy = True

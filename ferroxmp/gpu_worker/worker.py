@@ -115,6 +115,7 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
                 "vocab_size": cfg.vocab_size, "eos_token_ids": cfg.eos_token_ids,
                 "sliding_window": cfg.sliding_window, "model_type": cfg.model_type,
                 "dtype": cfg.dtype_name, "dtype_reason": dtype_reason, "device": str(runner.device), "model_path": model_path, "tp": sa.tp}
+        info["memory"] = runner.memory_info()  # weight bytes by format, KV bytes: /server_info
         supervisor.send(protocol.encode(protocol.Ready(name="worker", pid=os.getpid(), info=info)))
         log.info("worker ready: %s", info)
         return _serve(runner, pull, results, parent_alive, heart, leader)
@@ -136,7 +137,7 @@ def _pool_and_runner(sa: ServerArgs, cfg, shape, model_path: str, pool_name: str
     small private pool, profiles the largest step and sizes the real pool from what is
     left (gpu_memory.measure); --tp ranks agree on a size before loading, estimated."""
     runner_args = dict(device=sa.device, dtype=sa.dtype, tp=leader, deterministic=sa.deterministic,
-                       cuda_graph=not sa.disable_cuda_graph)
+                       cuda_graph=not sa.disable_cuda_graph, quantization=sa.quantization)
     table = dict(max_rows=sa.max_running_requests, max_pages_per_row=max_pages_per_row)
     by_memory = device.type == "cuda" and sa.kv_pages is None  # else the size is given (pages or GiB)
     if by_memory and leader is None:

@@ -26,6 +26,9 @@ import torch.nn.functional as F
 
 from ..attention import AttentionBackend
 from ..loader import ModelConfig
+from ..quant import Int8Rows, cat_rows
+from ..quant import linear as quant_linear
+from ..quant import pack as quant_pack
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -44,6 +47,12 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         medium = ~(wavelen < old_ctx / hi_f) * ~(wavelen > old_ctx / lo_f)
         return torch.where(medium, smoothed, scaled)
     return inv
+
+
+def embedding(ids: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of the embedding table in `dtype` (float, float16 kept by --quantization
+    fp16, or int8 dequantized row by row)."""
+    return table.lookup(ids, dtype) if isinstance(table, Int8Rows) else F.embedding(ids, table).to(dtype)
 
 
 @dataclass
@@ -68,11 +77,14 @@ class DecoderLM:
         # `linear` - a batch-invariant matmul in deterministic mode; `reduce_sum` - the
         # all-reduce after row-parallel layers under tensor parallelism (identity at tp=1);
         # `gather_vocab` - joins vocab-parallel logits (identity at tp=1).
-        self.linear = F.linear
+        self.linear = quant_linear  # F.linear for float weights; FBGEMM for quant.PackedInt8
         self.reduce_sum = lambda x: x
         self.gather_vocab = lambda x: x
         # `embed_ids` - a vocab-parallel lookup under tensor parallelism.
-        self.embed_ids = lambda ids: F.embedding(ids, self.embed)
+        self.embed_ids = lambda ids: embedding(ids, self.embed, cfg.dtype)
+
+        def pack(w):  # a quantized weight in its kernel's layout (quant/packed.py)
+            return quant_pack(w, cfg.dtype)
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
@@ -91,15 +103,17 @@ class DecoderLM:
             self.layers.append(Layer(
                 in_norm=take(f"model.layers.{i}.input_layernorm.weight"),
                 post_norm=take(f"model.layers.{i}.post_attention_layernorm.weight"),
-                w_qkv=torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]),
+                w_qkv=pack(cat_rows([take(a + f"{n}_proj.weight") for n in "qkv"])),
                 b_qkv=torch.cat(biases) if all(b is not None for b in biases) else None,
-                w_o=take(a + "o_proj.weight"), b_o=maybe(a + "o_proj.bias"),
+                w_o=pack(take(a + "o_proj.weight")), b_o=maybe(a + "o_proj.bias"),
                 q_norm=take(a + "q_norm.weight") if cfg.qk_norm else None,
                 k_norm=take(a + "k_norm.weight") if cfg.qk_norm else None,
-                w_gate_up=torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
-                w_down=take(m + "down_proj.weight")))
+                w_gate_up=pack(cat_rows([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])),
+                w_down=pack(take(m + "down_proj.weight"))))
         self.norm = take("model.norm.weight")
-        self.lm_head = self.embed if cfg.tie_word_embeddings else weights.pop("lm_head.weight", self.embed)
+        # Quantized: the embedding stays Int8Rows (read row by row), the head is packed for
+        # FBGEMM (a tied head: a second, packed copy of the same int8 values).
+        self.lm_head = pack(self.embed if cfg.tie_word_embeddings else weights.pop("lm_head.weight", self.embed))
         # One float32 table for every position, indexed per step (same bits as computing
         # position * inv_freq on the fly, as transformers does).
         freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None]
@@ -108,7 +122,16 @@ class DecoderLM:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.cfg.dtype
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Resident bytes of every weight this model holds, by format (a tensor shared by
+        the embedding and a tied head counts once; int8: values + per-row scales)."""
+        from ..quant import tensor_bytes
+        held = [self.embed, self.lm_head, self.norm] + [
+            t for L in self.layers for t in (L.in_norm, L.post_norm, L.w_qkv, L.b_qkv, L.w_o, L.b_o,
+                                             L.q_norm, L.k_norm, L.w_gate_up, L.w_down)]
+        return tensor_bytes(list({id(t): t for t in held if t is not None}.values()))
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return w * F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_norm_eps).to(x.dtype)

@@ -1,0 +1,85 @@
+"""Micro-benchmark: the weight-only quantized matmul kernels ferroxmp can call on CPU,
+against float32 F.linear, on SmolLM2-135M's matrix shapes at M = 1, 16 and 512 rows.
+
+    .venv/bin/python tools/bench_quant.py [--threads 2] [--repeats 7]
+
+Kernels: torch's `_weight_int4pack_mm_for_cpu` (int4, groups of 32, scale + zero per
+group: GGUF Q4_0/Q4_1 map onto it exactly: scale = d, zero = m + 8d for q - 8, checked
+against the dequantized float), `_weight_int8pack_mm` (int8 weights, one scale per output
+row, float activations), FBGEMM's `quantized::linear_dynamic_fp16` (fp16 weights, float32
+activations) and `quantized::linear_dynamic` (int8 weights per row AND activations
+quantized to uint8 per call: W8A8). Each cell is the median of `repeats` rounds; the kernels alternate
+inside a round so that load from other processes hits them alike. Prints one table
+(ms per call and the speed-up over float32). On a shared box, label the figures
+contaminated.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"q/o 576x576": (576, 576), "gate+up 3072x576": (3072, 576), "down 576x1536": (576, 1536),
+          "qkv 960x576": (960, 576), "head 49152x576": (49152, 576)}
+
+
+def kernels(n: int, k: int, group: int = 32):
+    w = torch.randn(n, k)
+    q4 = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 1)
+    sz = torch.rand(k // group, n, 2)
+    q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    s8 = torch.rand(n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qw = torch._make_per_channel_quantized_tensor(q8, s8.double(), torch.zeros(n, dtype=torch.long), 0)
+    fb8 = torch.ops.quantized.linear_prepack(qw, None)
+    fb16 = torch.ops.quantized.linear_prepack_fp16(w, None)
+    return {"f32": lambda x: F.linear(x, w),
+            "int8": lambda x: torch.ops.aten._weight_int8pack_mm(x, q8, s8),
+            "int4": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz),
+            "fb-fp16": lambda x: torch.ops.quantized.linear_dynamic_fp16(x, fb16),
+            "fb-w8a8": lambda x: torch.ops.quantized.linear_dynamic(x, fb8, True)}
+
+
+def timed(fn, x, calls: int) -> float:
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn(x)
+    return (time.perf_counter() - t) / calls * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--rows", default="1,16,512")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    print(f"threads={a.threads} repeats={a.repeats} (median ms per call; x = speed-up over f32)")
+    names = ["f32", "int8", "int4", "fb-fp16", "fb-w8a8"]
+    print(f"{'shape':<18} {'M':>4} " + " ".join(f"{n:>8}" for n in names) + " " +
+          " ".join(f"{n + ' x':>9}" for n in names[1:]))
+    with torch.inference_mode():
+        for label, (n, k) in SHAPES.items():
+            ks = kernels(n, k)
+            for m in (int(r) for r in a.rows.split(",")):
+                x = torch.randn(m, k)
+                calls = max(1, int(2e7 / (n * k * max(m, 4))))
+                samples = {name: [] for name in ks}
+                for name, fn in ks.items():
+                    timed(fn, x, 1)  # warm
+                for _ in range(a.repeats):
+                    for name, fn in ks.items():
+                        samples[name].append(timed(fn, x, calls))
+                med = {name: statistics.median(v) for name, v in samples.items()}
+                print(f"{label:<18} {m:>4} " + " ".join(f"{med[n]:>8.3f}" for n in names) + " " +
+                      " ".join(f"{med['f32'] / med[n]:>9.2f}" for n in names[1:]))
+
+
+if __name__ == "__main__":
+    main()
