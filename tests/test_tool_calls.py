@@ -5,7 +5,7 @@ choices constrained by the grammar, `role: "tool"` messages accepted back.
 Oracles: transformers' apply_chat_template on the same template (the rendered prompt and
 its token count), jsonschema on every returned `arguments` (random weights know no JSON:
 only the grammar makes them validate), the non-streamed reply for the streamed one, and
-xgrammar's own matcher on strings that must or must not be tool calls. The checkpoint is
+llguidance's own matcher on strings that must or must not be tool calls. The checkpoint is
 the tiny random llama with a Qwen-style (Hermes `<tool_call>`) template written over its
 own.
 """
@@ -24,6 +24,7 @@ from ferroxmp.frontend import schemas, tool_render, tools
 from ferroxmp.frontend.errors import ApiError
 from ferroxmp.frontend.tokenizer import TextCodec
 from serverproc import serving
+import llg_bytes
 
 jsonschema = pytest.importorskip("jsonschema")
 pytestmark = pytest.mark.timeout(300)
@@ -229,18 +230,9 @@ def test_tool_choice_none_and_empty_tools_ask_for_nothing():
 
 # ---- the grammar of required and named choices ---------------------------------------------
 
-def _matcher(grammar):
-    import xgrammar as xgr
-    info = xgr.TokenizerInfo([bytes([b]) for b in range(256)], xgr.VocabType.RAW, vocab_size=257, stop_token_ids=[256])
-    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    compiled = (compiler.compile_grammar(grammar.spec) if grammar.kind == "ebnf"
-                else compiler.compile_json_schema(grammar.spec, any_whitespace=False))
-    return xgr.GrammarMatcher(compiled)
-
-
 def _accepts(grammar, text: str) -> bool:
-    m = _matcher(grammar)
-    return m.accept_string(text) and m.is_completed()
+    """llguidance's own matcher, over a byte vocabulary (the oracle for the grammar)."""
+    return llg_bytes.accepts(grammar.kind, grammar.spec, text)
 
 
 @pytest.mark.parametrize("choice,parallel,text,ok", [

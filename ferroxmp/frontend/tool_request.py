@@ -3,30 +3,29 @@ the `tool_calls` of assistant messages -> a ToolSpec, or an ApiError(400) naming
 
 Job: validate the shapes OpenAI defines, and for `required` or a named function build
 the grammar that makes the reply exactly tool calls (the worker masks the rest), in the
-format of the model's family:
-- hermes: `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, joined by
-  "\\n", one call or (parallel calls allowed, `required`) one or more: an EBNF built
-  with xgrammar from each function's parameters schema;
-- llama3_json: one `{"name": "f", "parameters": {...}}` object: a JSON schema.
-Either way the arguments validate against the chosen function's `parameters`.
+format of the model's family (tool_grammar: llguidance Lark, each function's schema
+embedded whole so `$defs`/`$ref` resolve): one call when parallel calls are off or a
+function is named, else one or more. The arguments validate against the chosen
+function's `parameters`.
 
 Invariants: a function name is OpenAI's `[A-Za-z0-9_-]{1,64}` and unique; a named
 choice names an offered tool; a choice other than `none` needs tools; `required` or a
 named choice cannot be combined with another grammar (response_format, regex, ebnf) or
-`ignore_eos`; a schema the grammar engine cannot compile is a 400 naming its field.
+`ignore_eos`; `parameters` describes an object and is not plainly unsatisfiable
+(tool_schema); a schema the grammar engine cannot compile or proves unsatisfiable is a
+400 naming its field.
 """
 from __future__ import annotations
 
-import functools
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from ferroxmp.frontend import structured
 from ferroxmp.frontend.errors import bad_param
 from ferroxmp.frontend.fields import Fields, check_names
-from ferroxmp.frontend.tools import HERMES, LLAMA3_JSON
+from ferroxmp.frontend import tool_grammar, tool_schema
 from ferroxmp.protocol import Grammar
 
 MAX_TOOLS = 128
@@ -65,44 +64,21 @@ class ToolSpec:
                     if t["function"]["name"] == name)
 
     def grammar(self, fmt: str) -> Optional[Grammar]:
-        """The constraint for `required` / a named choice (None otherwise)."""
+        """The constraint for `required` / a named choice (None otherwise): Lark for
+        llguidance, each function's schema embedded whole (tool_grammar)."""
         if not self.constrains:
             return None
         chosen = [self.named] if self.choice == "named" else sorted(self.names)
-        for i, t in enumerate(self.tools):  # name the schema the engine refuses
-            if t["function"]["name"] in chosen:
-                why = structured.parse_error(Grammar("json_schema", json.dumps(self.params(t["function"]["name"]))))
-                if why is not None:
+        text = tool_grammar.lark(fmt, [(n, self.params(n)) for n in chosen], self.max_calls == 1)
+        why = tool_grammar.engine_error(text)
+        if why is not None:  # name the tool: check each chosen schema alone
+            for i, t in enumerate(self.tools):
+                name = t["function"]["name"]
+                if name in chosen and tool_grammar.engine_error(tool_grammar.lark(fmt, [(name, self.params(name))], True)):
                     raise bad_param(f"tools[{i}].function.parameters",
                                     f"not a JSON schema the grammar engine accepts: {why}")
-        schemas = json.dumps([[n, self.params(n)] for n in chosen])
-        if fmt == LLAMA3_JSON:
-            return Grammar("json_schema", json.dumps(_call_schema(json.loads(schemas), "parameters")))
-        return Grammar("ebnf", _hermes_ebnf(schemas, self.max_calls == 1))
-
-
-def _call_schema(named_params: list, key: str) -> dict:
-    calls = [{"type": "object", "properties": {"name": {"const": n}, key: p},
-              "required": ["name", key], "additionalProperties": False} for n, p in named_params]
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
-
-
-@functools.lru_cache(maxsize=64)
-def _hermes_ebnf(named_params_json: str, one: bool) -> str:
-    """One `<tool_call>` block, or blocks joined by "\\n", as EBNF text (the worker
-    compiles EBNF as it does a client's)."""
-    import xgrammar as xgr  # loaded on the first constrained request, as structured.py does
-    call_json = xgr.Grammar.from_json_schema(json.dumps(_call_schema(json.loads(named_params_json), "arguments")),
-                                             any_whitespace=False)
-    lit = lambda s: xgr.Grammar.from_ebnf("root ::= " + json.dumps(s))  # noqa: E731
-    block = str(xgr.Grammar.concat(lit("<tool_call>\n"), call_json, lit("\n</tool_call>")))
-    if one:
-        return block
-    blocks = {"type": "sequence", "elements": [
-        {"type": "grammar", "grammar": block},
-        {"type": "star", "content": {"type": "sequence", "elements": [
-            {"type": "const_string", "value": "\n"}, {"type": "grammar", "grammar": block}]}}]}
-    return str(xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": blocks})))
+            raise bad_param("tools", f"the tool-call grammar does not compile: {why}")
+        return Grammar("lark", text)
 
 
 def parse(f: Fields, grammar: Optional[Grammar], grammar_field: Optional[str], ignore_eos: bool) -> Optional[ToolSpec]:
@@ -148,8 +124,9 @@ def _tools(f: Fields) -> list[dict]:
             func["description"] = desc
         params = fn.raw("parameters")
         if params is not None:
-            if not isinstance(params, dict):
-                raise bad_param(fn.name("parameters"), "must be a JSON Schema object")
+            why = tool_schema.check(params)
+            if why is not None:
+                raise bad_param(fn.name("parameters"), why)
             if len(json.dumps(params)) > structured.MAX_SPEC_CHARS:
                 raise bad_param(fn.name("parameters"), f"at most {structured.MAX_SPEC_CHARS} characters of JSON")
             func["parameters"] = params

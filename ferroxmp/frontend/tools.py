@@ -6,7 +6,10 @@ Job: split what a model wrote into content and tool calls, in the format of its 
   template without tools): any number of
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, text around them;
 - `llama3_json` (Llama 3.x): the whole reply is `{"name": ..., "parameters": {...}}`,
-  optionally after `<|python_tag|>`.
+  optionally after `<|python_tag|>`;
+- `mistral_v3` / `mistral` (Mistral): text, then `[TOOL_CALLS]` followed by either a
+  JSON list of `{"name": ..., "arguments": {...}}` (v3) or `name[ARGS]{...}` (newer,
+  optionally `name[CALL_ID]id[ARGS]{...}`), repeated per call; both are read either way.
 The family is read from the chat template (`format_for_template`), Hermes by default.
 
 Invariants:
@@ -14,24 +17,34 @@ Invariants:
   events of the whole (`parse` is feed + finish), so a stream reassembles to the
   non-streamed reply. Text that may still turn into a call is held back until it is
   decided, never streamed and then taken back (as stop strings are held back).
+- A call's JSON is found structurally (json_scan: brackets and strings) and decoded by
+  json's decoder; a closing tag inside an argument string never ends a call.
 - Only a well-formed call becomes a tool call: a JSON object whose `name` is one of the
   offered tools and whose arguments are an object. Anything else stays in the content
   verbatim. Whitespace touching a parsed call (the template's separators) is dropped.
 - `arguments` is a JSON string, as OpenAI sends it: json.dumps of the parsed object, so a
   raw control character the grammar let into a string comes back escaped.
-- `max_calls` (1 when `parallel_tool_calls` is false) bounds the calls returned; later
-  well-formed calls are dropped, not turned into content.
+- `max_calls` (1 when `parallel_tool_calls` is false) bounds the calls returned; a
+  forced call's grammar already allows only one, so only an `auto` reply can have more,
+  and the later well-formed calls are dropped, not turned into content.
 """
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-HERMES, LLAMA3_JSON = "hermes", "llama3_json"
+from ferroxmp.frontend.json_scan import JsonScan, decode
+
+HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL = "hermes", "llama3_json", "mistral_v3", "mistral"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
+_NAMED = re.compile(r"([A-Za-z0-9_-]{1,64})(?:\[CALL_ID\][A-Za-z0-9]{1,64})?\[ARGS\]")
+_NAMED_CHARS = re.compile(r"[A-Za-z0-9_\-\[\]]*")
+_NAMED_MAX = 160  # longer than any name[CALL_ID]id[ARGS]: past it, not that form
 
 
 def format_for_template(template: Optional[str]) -> str:
@@ -39,6 +52,8 @@ def format_for_template(template: Optional[str]) -> str:
     t = template or ""
     if OPEN in t:
         return HERMES
+    if TOOL_CALLS in t:
+        return MISTRAL if ARGS in t else MISTRAL_V3
     if "<|eot_id|>" in t or "ipython" in t or PYTHON_TAG in t:
         return LLAMA3_JSON
     return HERMES
@@ -79,13 +94,16 @@ class ToolParser:
     _in_call: bool = False  # hermes: inside <tool_call> ... (OPEN consumed, body in _buf)
     _ws: str = ""  # hermes: whitespace seen just before the open tag
     _after_call: bool = False  # hermes: whitespace following a parsed call is dropped
-    _plain: bool = False  # llama3_json: the reply is not a call; text flows as content
+    _plain: bool = False  # llama3_json/mistral: the rest of the reply is content
+    _scan: Optional[JsonScan] = None  # the call's JSON being scanned
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
         out: list[Event] = []
         if self.fmt == LLAMA3_JSON:
             self._feed_llama(out)
+        elif self.fmt in (MISTRAL, MISTRAL_V3):
+            self._feed_mistral(out)
         else:
             self._feed_hermes(out)
         return _merge(out)
@@ -104,10 +122,10 @@ class ToolParser:
             else:
                 out.append(self._buf)
         elif self._in_call:  # an unclosed call (cut by max_tokens or a stop): content as written
-            out.append(self._ws + OPEN + self._buf)
+            out.append(self._ws + (TOOL_CALLS if self.fmt in (MISTRAL, MISTRAL_V3) else OPEN) + self._buf)
         elif not self._after_call:
             out.append(self._buf)
-        self._buf, self._ws, self._in_call = "", "", False
+        self._buf, self._ws, self._in_call, self._scan = "", "", False, None
         return _merge(out)
 
     # ---- hermes ----------------------------------------------------------------------
@@ -115,16 +133,8 @@ class ToolParser:
     def _feed_hermes(self, out: list[Event]) -> None:
         while True:
             if self._in_call:
-                j = self._buf.find(CLOSE)
-                if j < 0:
+                if not self._hermes_body(out):
                     return
-                body, self._buf = self._buf[:j], self._buf[j + len(CLOSE):]
-                call = self._call(body, ("arguments",))
-                if call is None:
-                    out.append(self._ws + OPEN + body + CLOSE)
-                else:
-                    self._emit_call(out, call)
-                self._after_call, self._ws, self._in_call = call is not None, "", False
                 continue
             if self._after_call:
                 self._buf = self._buf.lstrip()
@@ -143,6 +153,107 @@ class ToolParser:
             out.append(head)
             self._buf = self._buf[len(head):]
             return
+
+    def _hermes_body(self, out: list[Event]) -> bool:
+        """Decide the call whose body is in _buf (after OPEN); False: wait for more."""
+        buf = self._buf
+        k = len(buf) - len(buf.lstrip())
+        if k == len(buf):
+            return False
+        frm = k  # not a JSON object: content up to the close tag
+        if buf[k] == "{":
+            self._scan = self._scan or JsonScan(k)
+            kind, i = self._scan.advance(buf, CLOSE)
+            if kind == "more":
+                return False
+            frm = i
+            rest = buf[i:].lstrip()
+            if kind == "end" and rest.startswith(CLOSE):
+                call = self._call(buf[k:i], ("arguments",))
+                if call is not None:
+                    self._emit_call(out, call)
+                    self._buf = rest[len(CLOSE):]
+                    self._after_call, self._ws, self._in_call, self._scan = True, "", False, None
+                    return True
+            elif kind == "end" and CLOSE.startswith(rest):  # the close tag may be coming
+                return False
+        j = buf.find(CLOSE, frm)
+        if j < 0:
+            return False
+        out.append(self._ws + OPEN + buf[:j + len(CLOSE)])
+        self._buf = buf[j + len(CLOSE):]
+        self._after_call, self._ws, self._in_call, self._scan = False, "", False, None
+        return True
+
+    # ---- mistral ---------------------------------------------------------------------
+
+    def _feed_mistral(self, out: list[Event]) -> None:
+        while not self._plain:
+            if self._in_call:
+                if not self._mistral_call(out):
+                    return
+                continue
+            if self._after_call:
+                self._buf = self._buf.lstrip()
+                if not self._buf:
+                    return
+                self._after_call = False
+            i = self._buf.find(TOOL_CALLS)
+            if i < 0:
+                keep = len(self._buf) - _held_prefix(self._buf, TOOL_CALLS)
+                head = self._buf[:keep].rstrip()
+                out.append(head)
+                self._buf = self._buf[len(head):]
+                return
+            head = self._buf[:i].rstrip()
+            out.append(head)
+            self._ws, self._buf, self._in_call = self._buf[len(head):i], self._buf[i + len(TOOL_CALLS):], True
+        out.append(self._buf)
+        self._buf = ""
+
+    def _mistral_call(self, out: list[Event]) -> bool:
+        """Decide what follows [TOOL_CALLS] in _buf; False: wait for more. Anything not a
+        well-formed call turns the rest of the reply into content."""
+        buf = self._buf
+        k = len(buf) - len(buf.lstrip())
+        if k == len(buf):
+            return False
+        calls: Optional[list] = None
+        if buf[k] in "[{":  # v3: a list of calls (or one call object)
+            self._scan = self._scan or JsonScan(k)
+            kind, end = self._scan.advance(buf)
+            if kind == "more":
+                return False
+            try:
+                value = decode(buf[k:end])
+            except ValueError:
+                value = None
+            items = value if isinstance(value, list) else [value]
+            calls = [self._call_obj(v, ("arguments",)) for v in items]
+        else:  # name[ARGS]{...}
+            m = _NAMED.match(buf, k)
+            if m is None:
+                if len(buf) - k < _NAMED_MAX and _NAMED_CHARS.fullmatch(buf, k):
+                    return False
+            elif m.end() < len(buf) and buf[m.end()] == "{":
+                self._scan = self._scan or JsonScan(m.end())
+                kind, end = self._scan.advance(buf)
+                if kind == "more":
+                    return False
+                calls = [self._call(f'{{"name": {json.dumps(m.group(1))}, "arguments": {buf[m.end():end]}}}',
+                                    ("arguments",))]
+            elif m.end() == len(buf):
+                return False
+        if not calls or any(c is None for c in calls):
+            self._plain = True
+            self._buf = self._ws + TOOL_CALLS + buf
+            self._ws, self._in_call, self._scan = "", False, None
+            return True
+        for c in calls:
+            self._emit_call(out, c)
+        self._buf = buf[end:]
+        self._after_call, self._ws, self._in_call, self._scan = True, "", False, None
+        return True
 
     # ---- llama 3 json ----------------------------------------------------------------
 
@@ -165,10 +276,13 @@ class ToolParser:
     # ---- shared ----------------------------------------------------------------------
 
     def _call(self, body: str, keys: tuple) -> Optional[ToolCall]:
-        try:  # strict=False: raw control characters in strings; NaN and Infinity are not JSON
-            obj = json.loads(body, strict=False, parse_constant=_not_json)
+        try:
+            obj = decode(body)
         except ValueError:
             return None
+        return self._call_obj(obj, keys)
+
+    def _call_obj(self, obj, keys: tuple) -> Optional[ToolCall]:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in self.names:
             return None
         args = next((obj[k] for k in keys if k in obj), {})
@@ -180,10 +294,6 @@ class ToolParser:
         if self.max_calls is None or self.calls < self.max_calls:
             self.calls += 1
             out.append(call)
-
-
-def _not_json(name: str):
-    raise ValueError(f"{name} is not JSON")
 
 
 def _merge(events: list[Event]) -> list[Event]:

@@ -1,0 +1,82 @@
+"""The grammar that makes a reply exactly tool calls (tool_choice `required` or a named
+function), as llguidance Lark text: the framing of the model family's format is literal,
+and each function's arguments are its own `%json{...}` schema.
+
+Why each schema is embedded on its own: `$ref: "#/$defs/X"` (every nested pydantic
+model) resolves against the root of the schema that holds it, so a schema must stay a
+root; wrapping it inside a call object's `properties.arguments` (what the xgrammar
+builder did) made those references dangle and the request a 500.
+
+Formats (one call when `one`, else one or more):
+- hermes: `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, joined by "\\n";
+- llama3_json: one `{"name": "f", "parameters": {...}}` (the family writes one call);
+- mistral_v3: `[TOOL_CALLS] [{"name": "f", "arguments": {...}}, ...]`;
+- mistral: `[TOOL_CALLS]f[ARGS]{...}`, repeated for each call.
+
+Invariants: JSON is compact with ", " and ": " separators (no free whitespace: a random
+or confused model cannot pad to max_tokens); a function's arguments are always an
+object (`type: object` is added where the schema leaves the type open), so what the
+grammar admits is what tools.ToolParser accepts as a call.
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+from ferroxmp.frontend.tools import LLAMA3_JSON, MISTRAL, MISTRAL_V3
+
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _lit(s: str) -> str:
+    """A Lark string literal (JSON's escapes are Lark's)."""
+    return json.dumps(s)
+
+
+def args_schema(params: dict) -> dict:
+    """The schema the arguments are generated under: the client's, an object, compact."""
+    s = copy.deepcopy(params)
+    s.setdefault("type", "object")
+    s["x-guidance"] = dict(_COMPACT)
+    return s
+
+
+def lark(fmt: str, named_params: list[tuple[str, dict]], one: bool) -> str:
+    """Lark text for calls of the given functions (name, parameters schema)."""
+    key = "parameters" if fmt == LLAMA3_JSON else "arguments"
+    rules = []
+    alts = []
+    for i, (name, params) in enumerate(named_params):
+        schema = json.dumps(args_schema(params), ensure_ascii=False)
+        rules.append(f"args_{i}: %json{schema}")
+        if fmt == MISTRAL:
+            rules.append(f"call_{i}: {_lit('[TOOL_CALLS]' + name + '[ARGS]')} args_{i}")
+        else:
+            head = '{"name": ' + json.dumps(name) + ', "' + key + '": '
+            rules.append(f"call_{i}: {_lit(head)} args_{i} {_lit('}')}")
+        alts.append(f"call_{i}")
+    rules.append("call: " + " | ".join(alts))
+    if fmt == LLAMA3_JSON:
+        start = "start: call"
+    elif fmt == MISTRAL:
+        start = "start: call" if one else "start: call+"
+    elif fmt == MISTRAL_V3:
+        start = f"start: {_lit('[TOOL_CALLS] [')} call " + ("" if one else f"({_lit(', ')} call)* ") + _lit("]")
+    else:
+        rules.append(f"block: {_lit('<tool_call>' + chr(10))} call {_lit(chr(10) + '</tool_call>')}")
+        start = "start: block" if one else f"start: block ({_lit(chr(10))} block)*"
+    return "\n".join([start] + rules) + "\n"
+
+
+def engine_error(text: str) -> str | None:
+    """Why llguidance refuses this Lark text (None: it compiles). It reports schemas it
+    proves unsatisfiable (`enum: []`, minLength > maxLength, ...) as errors."""
+    import llguidance  # loaded on the first constrained request
+    try:
+        is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(llguidance.grammar_from("lark", text))
+    except Exception as e:  # noqa: BLE001 - the engine's own message is the answer
+        return str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    if not is_error:
+        return None
+    first = (msgs[0] if msgs else "invalid grammar").strip().splitlines()[0]
+    return first.split(": ", 1)[1][:300] if first.startswith("at ") and ": " in first else first[:300]
