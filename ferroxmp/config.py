@@ -63,6 +63,9 @@ class ServerArgs:
     api_key_file: Optional[str] = _f(None, "File of API keys, one a line, optionally 'tenant:key'; each tenant's "
                                      "requests share the prefix cache only with its own.")
     metrics_public: bool = _f(False, "Serve /metrics without the API key (for a scraper).")
+    pooling: str = _f("auto", "How /v1/embeddings pools the final hidden states of a prompt. auto = what the "
+                      "checkpoint's sentence-transformers modules.json/Pooling config says, else the last token "
+                      "(decoder embedding models such as Qwen3-Embedding).", ["auto", "last", "mean", "cls"])
     log_level: str = _f("info", "Log level.", ["debug", "info", "warning", "error"])
     shutdown_grace: float = _f(30.0, "Seconds SIGTERM waits for running requests before stopping.")
     stall_timeout: float = _f(60.0, "Seconds a living process may stay silent (paused, stuck) and "

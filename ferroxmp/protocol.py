@@ -58,6 +58,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # echo + logprobs: each prompt token's logprob and top-n (the first has none). Such a
     # request adopts no cached prefix, so the worker computes every prompt position.
     prompt_logprobs: Optional[int] = None
+    # An embedding row (/v1/embeddings): "last" | "mean" | "cls". The worker returns the
+    # final-norm hidden state pooled over the prompt (BatchResult.embeddings) with the row's
+    # one sampled token, which nobody reads. "mean"/"cls" need every position computed, so
+    # such a row adopts no cached prefix (like prompt_logprobs); "last" adopts as usual.
+    pooling: Optional[str] = None
 
     @property
     def greedy(self) -> bool:
@@ -113,6 +118,7 @@ class RowOut(msgspec.Struct, omit_defaults=True):
     queue_time: float = 0.0
     # Prompt tokens' logprobs since the last RowOut, in order from prompt position 1.
     prompt_logprobs: Optional[list[Logprobs]] = None
+    embedding: bytes = b""  # an embedding row's pooled vector: float32 little-endian, not normalized
 
 
 class Stats(msgspec.Struct, omit_defaults=True):
@@ -177,6 +183,9 @@ class BatchResult(msgspec.Struct, tag=True):
     # row -> logprobs of prompt positions [start + 1, min(start + length + 1, prompt_len))
     # of its step in this batch, only for rows whose params ask for prompt_logprobs.
     prompt_logprobs: dict[int, list[Logprobs]] = {}
+    # row -> pooled final-norm hidden state (float32 little-endian bytes), for embedding
+    # rows (params.pooling) that sampled in this batch, i.e. finished their prompt.
+    embeddings: dict[int, bytes] = {}
 
 
 # ---- handshake and control -------------------------------------------------------

@@ -20,7 +20,7 @@ import msgspec
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from ferroxmp.frontend import schemas, tokenize_api, tool_render, tools
+from ferroxmp.frontend import embeddings, schemas, tokenize_api, tool_render, tools
 from ferroxmp.frontend.auth import Keyring, cache_salt
 from ferroxmp.frontend.errors import ApiError, bad_param
 from ferroxmp.frontend.fields import decode_body
@@ -32,7 +32,7 @@ from ferroxmp.frontend.state import FrontendState
 
 log = logging.getLogger("ferroxmp.frontend")
 _json = msgspec.json.Encoder()
-_GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
+_GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/embeddings")
 _STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 # The chat page loads only its own files and talks only to this server; even a reply that
 # slipped past textContent as markup could not run a script or load anything.
@@ -166,6 +166,31 @@ def create_app(state: FrontendState) -> Flask:
         check_model(req.model)
         fmt = Formatter("generate", g.request_id, state.model_name, state.codec, top_logprobs=req.sampling.logprobs)
         return run(req, [list(req.prompts[0])], fmt)
+
+    pooling = embeddings.resolve_pooling(state.args.get("model"), state.args.get("pooling") or "auto")
+
+    @app.post("/v1/embeddings")
+    def create_embeddings():
+        req = embeddings.parse(body_json(), encoder, state.vocab_size, state.max_model_len)
+        check_model(req.model)
+        disconnected = request.environ.get("waitress.client_disconnected") or (lambda: False)
+        gen = Generation(bridge=state.bridge, metrics=state.metrics, decode=None, request_id=g.request_id,
+                         prompts=req.inputs, params=[embeddings.params(pooling)] * len(req.inputs),
+                         is_disconnected=disconnected, cache_salt=cache_salt(g.tenant, ""))
+        state.begin()
+        try:
+            gen.start()
+            for _ in gen.deltas():
+                pass
+            vectors = [c.embedding for c in gen.choices]
+            if not all(vectors):
+                raise ApiError(500, "the model worker returned no embedding", code="internal_error")
+            return _json_response(embeddings.body(req, vectors, state.model_name, gen.usage))
+        except ClientGone:
+            return Response(b"", status=499)
+        finally:
+            gen.close()
+            state.end()
 
     @app.post("/tokenize")
     def tokenize():

@@ -67,6 +67,7 @@ class Choice:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     last_token_at: Optional[float] = None
+    embedding: bytes = b""  # an embedding row's pooled vector (RowOut.embedding)
 
     @property
     def done(self) -> bool:
@@ -159,6 +160,8 @@ class Generation:
         ids = unpack_ids(out.token_ids).tolist()
         if out.prompt_tokens:
             c.prompt_tokens, c.cached_tokens = out.prompt_tokens, out.cached_tokens
+        if out.embedding:
+            c.embedding = out.embedding
         if ids:
             if c.last_token_at is None:
                 self.metrics.ttft.observe(max(0.0, now - self.arrival))

@@ -33,6 +33,7 @@ from .isolation import fail_batch, skip_failed
 from .kv_pool import KVPool
 from .loader import ModelConfig, load_config, load_weights, resolve_device
 from .models import build_model
+from .pooling import MODES as POOLING_MODES, Pooled, normed
 from .quant import describe_bytes, resolve_mode
 from .sampler import RowSample, logprobs_of, sample_rows
 
@@ -52,6 +53,7 @@ class RowState:
     params: SamplingParams
     seed: int
     grammar: Optional["RowGrammar"] = None  # its matcher, when the request asked for structured output
+    pooled: Optional[Pooled] = None  # an embedding row's pooling so far (pooling.py)
 
 
 class ModelRunner:
@@ -195,6 +197,10 @@ class ModelRunner:
                 raise BatchError(f"new row {nr.row} has a token id outside the vocabulary "
                                  f"(0..{self.config.vocab_size - 1})")
             staged[nr.row] = st = RowState(ids, nr.prompt_len or len(ids), nr.params, nr.seed)
+            if nr.params.pooling is not None:
+                if nr.params.pooling not in POOLING_MODES:
+                    raise BatchError(f"new row {nr.row}: pooling {nr.params.pooling!r} is not one of {POOLING_MODES}")
+                st.pooled = Pooled(nr.params.pooling)
             if nr.params.grammar is not None:  # a fresh matcher, replaying what it generated
                 try:
                     st.grammar = self.grammars.matcher(nr.params.grammar, ids[st.prompt_len:])
@@ -272,12 +278,13 @@ class ModelRunner:
             else:
                 hidden = self.model.forward(self._to_device(ids_np), self._to_device(plan.positions), self.attn)
             prompt_lps = self._prompt_logprobs(batch, state, plan, hidden)
+            embeddings = self._embeddings(batch, state, plan, hidden)
             sampling = [i for i, s in enumerate(batch.steps) if s.sample]
             if not sampling:
                 self._logits = None
                 self.rows.update(staged)
                 return BatchResult(batch_id=batch.batch_id, compute_s=time.perf_counter() - t0,
-                                   prompt_logprobs=prompt_lps)
+                                   prompt_logprobs=prompt_lps)  # no embedding: none ended its prompt
             index = torch.tensor([plan.last_index[i] for i in sampling], device=self.device)
             logits = self._logits_at(hidden, index)
             rows = [batch.steps[i].row for i in sampling]
@@ -299,7 +306,8 @@ class ModelRunner:
                            tokens=pack_ids([t for _, t in ok]),
                            logprobs={rows[j]: lp for j, lp in zip(lp_rows, lps)},
                            compute_s=time.perf_counter() - t0, row_errors=row_errors,
-                           prompt_logprobs=prompt_lps)
+                           prompt_logprobs=prompt_lps,
+                           embeddings={r: v for r, v in embeddings.items() if r not in row_errors})
 
     def _prompt_logprobs(self, batch: ForwardBatch, state: dict[int, RowState], plan,
                          hidden: torch.Tensor) -> dict[int, list]:
@@ -319,6 +327,26 @@ class ModelRunner:
             logits = self._logits_at(hidden, slice(first, first + stop - s.start - 1))
             targets = torch.tensor(st.tokens[s.start + 1:stop], device=self.device)
             out[s.row] = logprobs_of(logits, targets, [n] * len(targets))
+        return out
+
+    def _embeddings(self, batch: ForwardBatch, state: dict[int, RowState], plan,
+                    hidden: torch.Tensor) -> dict[int, bytes]:
+        """Embedding rows: add each step's positions to the row's pooling; a sampling step
+        (the prompt's last chunk) gives the row's vector (pooling.py)."""
+        out: dict[int, bytes] = {}
+        for i, s in enumerate(batch.steps):
+            pooled = state[s.row].pooled
+            if pooled is None:
+                continue
+            last = plan.last_index[i]
+            if pooled.mode == "last":
+                if s.sample:
+                    out[s.row] = pooled.vector(normed(self.model, hidden[last:last + 1])[0])
+                continue
+            states = normed(self.model, hidden[last - s.length + 1:last + 1])
+            pooled.add(states, s.start)
+            if s.sample:
+                out[s.row] = pooled.vector(states[-1])
         return out
 
     def _logits_at(self, hidden: torch.Tensor, index) -> torch.Tensor:

@@ -85,7 +85,9 @@ class CacheManager:
         n = req.known_len
         # A request asking for prompt logprobs adopts nothing: the worker must compute
         # every prompt position to report its logprob (a cached page holds KV, not logits).
-        if self.tree is None or n < 2 or req.params.prompt_logprobs is not None:
+        # Mean/CLS pooling (embeddings) likewise needs hidden states of every position.
+        if (self.tree is None or n < 2 or req.params.prompt_logprobs is not None
+                or req.params.pooling in ("mean", "cls")):
             return 0
         version, known, tokens = req.cache_match
         if version == self.tree.version and known == n:

@@ -63,6 +63,8 @@ def _row_out(req: Request):
     out = RowOut(req.rid, ids, lps, req.finish_reason, req.error,
                  500 if req.finish_reason == "error" else 200,
                  len(req.prompt), req.cached_tokens, req.queue_time)
+    if req.embedding:
+        out.embedding = req.embedding
     if req.pending_prompt_logprobs:
         out.prompt_logprobs, req.pending_prompt_logprobs = req.pending_prompt_logprobs, []
     return out

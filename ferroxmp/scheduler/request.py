@@ -64,6 +64,7 @@ class Request:
     prompt_logprobs_next: int = 1
     prefill_target: int = 0  # positions to prefill before sampling: all tokens known at admission
     sampled_before: int = 0  # outputs that existed at (re-)admission
+    embedding: bytes = b""  # an embedding row's pooled vector, from its one sampling step
 
     @property
     def tokens(self) -> np.ndarray:

@@ -76,6 +76,8 @@ def apply_steps(res: BatchResult, steps: list[tuple[Request, RowStep]], cache: C
                 req.finish("error", f"the model worker returned no token for row {step.row}")
                 news[req.rid] = req
                 continue
+            if res.embeddings and (vec := res.embeddings.get(step.row)) is not None:
+                req.embedding = vec  # travels with the RowOut that ends it (max_tokens 1)
             _append(req, token, logprobs.get(step.row) if logprobs else None)
             n += 1
             news[req.rid] = req
