@@ -37,3 +37,24 @@ def accepts(kind: str, spec: str, text: str) -> bool:
     """Whether the grammar admits exactly `text` (then EOS)."""
     m = matcher(kind, spec)
     return all(m.consume_token(b) for b in text.encode()) and m.consume_token(EOS)
+
+
+_CLOSING = frozenset([EOS] + list(b'"}]'))
+
+
+def sample(kind: str, spec: str, rng, max_bytes: int = 4000) -> bytes:
+    """A random text the grammar admits: each byte drawn among those the mask allows
+    (closing ones favoured, so values end), until EOS. Raises if none comes in max_bytes."""
+    m = matcher(kind, spec)
+    out = bytearray()
+    for _ in range(max_bytes):
+        mask = int.from_bytes(m.compute_bitmask(), "little")
+        allowed = [t for t in range(EOS + 1) if mask >> t & 1]
+        assert allowed, m.get_error()
+        closing = [t for t in allowed if t in _CLOSING]
+        t = rng.choice(closing if closing and rng.random() < 0.5 else allowed)
+        assert m.consume_token(t), m.get_error()
+        if t == EOS:
+            return bytes(out)
+        out.append(t)
+    raise AssertionError(f"no EOS within {max_bytes} bytes: {bytes(out[:200])!r}")
