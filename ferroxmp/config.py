@@ -43,6 +43,9 @@ class ServerArgs:
                                  "0 = bound by --max-batch-tokens only.")
     max_model_len: Optional[int] = _f(None, "Longest prompt + completion; default: the model's context.")
     queue_timeout: float = _f(600.0, "Seconds a request may wait for admission before a 503.")
+    max_grammar_compile_seconds: float = _f(5.0, "Seconds a request's grammar (response_format, regex, ebnf, "
+                                            "tools) may take to compile, off the batch loop, before the "
+                                            "request gets a 400; other requests keep running meanwhile.")
     disable_radix_cache: bool = _f(False, "Turn off prefix sharing.")
     disable_overlap: bool = _f(False, "Run one batch at a time instead of building N+1 while N computes.")
     disable_cuda_graph: bool = _f(False, "On CUDA, run decode steps eagerly instead of replaying CUDA graphs "
@@ -111,6 +114,8 @@ class ServerArgs:
             bad("max_model_len", f"must be at least 2, got {self.max_model_len}")
         if self.queue_timeout <= 0:
             bad("queue_timeout", f"must be positive, got {self.queue_timeout}")
+        if self.max_grammar_compile_seconds <= 0:
+            bad("max_grammar_compile_seconds", f"must be positive, got {self.max_grammar_compile_seconds}")
         if self.max_step_seconds < 0:
             bad("max_step_seconds", f"must be 0 (off) or positive, got {self.max_step_seconds}")
         if self.stall_timeout <= 0:

@@ -34,7 +34,8 @@ def unpack_ids(buf: bytes) -> np.ndarray:
 
 class Grammar(msgspec.Struct, array_like=True):
     """A structured-output constraint: kind "json_object" | "json_schema" | "regex" |
-    "ebnf"; spec is the schema's JSON text, the regex or the EBNF ("" for json_object)."""
+    "ebnf" | "lark"; spec is the schema's JSON text, the regex, the GBNF or llguidance's
+    Lark text ("" for json_object). grammar_spec.py reads it."""
     kind: str
     spec: str = ""
 
@@ -135,6 +136,17 @@ class Stats(msgspec.Struct, omit_defaults=True):
     steps: int = 0
     retractions: int = 0
     step_token_budget: int = 0  # tokens a step may hold now (scheduler/step_budget.py)
+    # Grammars (PrepareGrammar / GrammarReady): answers from the worker's compiled-grammar
+    # cache, requests waiting for their grammar now, and the compiles' durations
+    # (counts per GRAMMAR_COMPILE_BUCKETS bound, the last for +Inf, and their sum).
+    grammar_cache_hits: int = 0
+    grammar_cache_misses: int = 0
+    grammar_pending: int = 0
+    grammar_compile_counts: list[int] = []
+    grammar_compile_seconds: float = 0.0
+
+
+GRAMMAR_COMPILE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class TokenOut(msgspec.Struct, tag=True):
@@ -188,6 +200,22 @@ class BatchResult(msgspec.Struct, tag=True):
     embeddings: dict[int, bytes] = {}
 
 
+class PrepareGrammar(msgspec.Struct, tag=True):
+    """Scheduler -> worker when a constrained request arrives: compile its grammar off
+    the batch loop (grammar_prep.py). The request is planned only after GrammarReady."""
+    rid: str
+    grammar: Grammar
+
+
+class GrammarReady(msgspec.Struct, tag=True):
+    """Worker -> scheduler: the grammar of `rid` is compiled and cached (error None), or
+    cannot be (error: the engine's reason; the scheduler answers 400)."""
+    rid: str
+    error: Optional[str] = None
+    cached: bool = False  # it was in the cache already (a hit)
+    compile_s: float = 0.0
+
+
 # ---- handshake and control -------------------------------------------------------
 
 class Ready(msgspec.Struct, tag=True):
@@ -206,7 +234,8 @@ def endpoints(run_dir: str) -> dict[str, str]:
     return {n: "ipc://" + os.path.join(run_dir, n + ".sock") for n in names}
 
 
-Message = Union[GenerateReq, AbortReq, TokenOut, ForwardBatch, BatchResult, Ready, Shutdown]
+Message = Union[GenerateReq, AbortReq, TokenOut, ForwardBatch, BatchResult, PrepareGrammar, GrammarReady,
+                Ready, Shutdown]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

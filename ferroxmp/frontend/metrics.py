@@ -11,9 +11,9 @@ from __future__ import annotations
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from ferroxmp.protocol import Stats
+from ferroxmp.protocol import GRAMMAR_COMPILE_BUCKETS, Stats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -29,12 +29,15 @@ _GAUGES = (  # metric name suffix, Stats field, help
     ("requests_waiting", "waiting", "Requests queued for admission."),
     ("step_token_budget", "step_token_budget", "Tokens one step may hold now: --max-batch-tokens, or fewer "
      "so that a step lasts about --max-step-seconds at the measured speed."),
+    ("grammar_pending", "grammar_pending", "Requests waiting for their grammar to compile (off the batch loop)."),
 )
 _COUNTERS = (
     ("prompt_tokens", "prompt_tokens", "Prompt tokens admitted."),
     ("generation_tokens", "generation_tokens", "Tokens generated."),
     ("cached_prompt_tokens", "cached_prompt_tokens", "Prompt tokens served from the prefix cache."),
     ("worker_busy_seconds", "worker_busy_seconds", "Seconds the worker spent computing batches."),
+    ("grammar_cache_hits", "grammar_cache_hits", "Constrained requests whose grammar was compiled already."),
+    ("grammar_cache_misses", "grammar_cache_misses", "Constrained requests whose grammar was compiled for them."),
 )
 
 
@@ -48,6 +51,19 @@ class _StatsCollector:
             yield GaugeMetricFamily("ferroxmp_" + suffix, doc, value=getattr(stats, attr))
         for suffix, attr, doc in _COUNTERS:
             yield CounterMetricFamily("ferroxmp_" + suffix, doc, value=getattr(stats, attr))
+        yield _compile_histogram(stats)
+
+
+def _compile_histogram(stats) -> HistogramMetricFamily:
+    """The worker's grammar compiles (misses only), from the scheduler's bucket counts."""
+    counts = list(stats.grammar_compile_counts) or [0] * (len(GRAMMAR_COMPILE_BUCKETS) + 1)
+    bounds = [repr(float(b)) for b in GRAMMAR_COMPILE_BUCKETS] + ["+Inf"]
+    cumulative, total = [], 0
+    for bound, n in zip(bounds, counts):
+        total += n
+        cumulative.append((bound, total))
+    return HistogramMetricFamily("ferroxmp_grammar_compile_seconds", "Seconds to compile a request's grammar "
+                                 "(off the batch loop).", buckets=cumulative, sum_value=stats.grammar_compile_seconds)
 
 
 class Metrics:

@@ -7,8 +7,12 @@ engine's own parser (llguidance, grammar_spec.py) so a schema, regex or EBNF the
 worker could not compile, or a schema keyword it could not enforce, is a 400 here,
 before anything is queued.
 
-Invariants: at most one constraint per request; a spec is at most MAX_SPEC_CHARS; a
-bias names a token of this vocabulary and lies in [-100, 100], as OpenAI's does.
+Invariants: at most one constraint per request; a spec is at most MAX_SPEC_CHARS (a
+lark spec, which may embed a whole tool list, MAX_LARK_CHARS); a JSON schema has at
+most MAX_SCHEMA_PROPERTIES properties in all and nests at most MAX_SCHEMA_DEPTH deep
+(the engine's compile time grows with them: 3,000 properties took 0.87 s on a 49k
+vocabulary, docs/BENCHMARKS.md), so a schema over the bounds never reaches the
+worker; a bias names a token of this vocabulary and lies in [-100, 100], as OpenAI's does.
 """
 from __future__ import annotations
 
@@ -21,6 +25,9 @@ from ferroxmp.frontend.fields import Fields, check_names
 from ferroxmp.protocol import Grammar
 
 MAX_SPEC_CHARS = 65536
+MAX_LARK_CHARS = 4 * MAX_SPEC_CHARS
+MAX_SCHEMA_PROPERTIES = 1000  # summed over every "properties" object of the schema
+MAX_SCHEMA_DEPTH = 32  # nested objects/arrays of the schema's JSON
 MAX_LOGIT_BIAS = 1024  # entries
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 GRAMMAR_FIELDS = ("response_format", "regex", "ebnf")
@@ -78,8 +85,37 @@ def parse_error(g: Grammar) -> Optional[str]:
     """Why the grammar engine (llguidance) cannot build `g` (None: it can), for every
     kind (json_object, json_schema, regex, ebnf, lark). No vocabulary is needed; a
     JSON Schema keyword the engine cannot enforce is named ("Unimplemented keys: ...")."""
+    limit = MAX_LARK_CHARS if g.kind == "lark" else MAX_SPEC_CHARS
+    if len(g.spec) > limit:
+        return f"at most {limit} characters, got {len(g.spec)}"
+    if g.kind == "json_schema":
+        why = schema_bounds_error(g.spec)
+        if why is not None:
+            return why
     from ferroxmp.grammar_spec import check
     return check(g)
+
+
+def schema_bounds_error(spec: str) -> Optional[str]:
+    """Why a JSON schema's text is over the size bounds (None: within them)."""
+    try:
+        schema = json.loads(spec)
+    except ValueError as e:
+        return f"not JSON: {e}"
+    props, stack = 0, [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            return f"nests deeper than {MAX_SCHEMA_DEPTH} levels"
+        if isinstance(node, dict):
+            if isinstance(node.get("properties"), dict):
+                props += len(node["properties"])
+                if props > MAX_SCHEMA_PROPERTIES:
+                    return f"has more than {MAX_SCHEMA_PROPERTIES} properties in all (compile time grows with them)"
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+    return None
 
 
 def logit_bias(f: Fields, vocab_size: int) -> dict[int, float]:

@@ -15,6 +15,9 @@ and each hook is one `is None` check per batch.
   slow machine: the scheduler's step budget must shrink its chunks to fit).
 - sample_raise_seed=S: sampling a row whose seed is S raises (a row the worker
   cannot compute, among healthy ones).
+- grammar_compile_sleep=S: compiling a grammar whose spec holds the text
+  FERROXMP_SLOW_COMPILE (e.g. in a schema's description) first sleeps S seconds on
+  its compile thread (a slow compile: other rows must keep stepping meanwhile).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from typing import Optional, Sequence
 
 log = logging.getLogger("ferroxmp.worker")
 ENV = "FERROXMP_FAULT_INJECT"
+SLOW_COMPILE = "FERROXMP_SLOW_COMPILE"
 
 
 class InjectedFault(RuntimeError):
@@ -41,6 +45,7 @@ class Faults:
     forward_busy_s: float = 0.0
     forward_busy_per_token: float = 0.0
     sample_raise_seed: Optional[int] = None
+    grammar_compile_sleep: float = 0.0
 
     @classmethod
     def parse(cls, spec: str) -> "Faults":
@@ -59,6 +64,8 @@ class Faults:
                 kw["forward_busy_per_token"] = float(value)
             elif key == "sample_raise_seed":
                 kw["sample_raise_seed"] = int(value)
+            elif key == "grammar_compile_sleep":
+                kw["grammar_compile_sleep"] = float(value)
             else:
                 raise ValueError(f"{ENV}: unknown fault {key!r}")
         return cls(**kw)
@@ -75,6 +82,11 @@ class Faults:
             _burn(busy)
         if self.forward_raise_token is not None and self.forward_raise_token in ids:
             raise InjectedFault(f"injected forward failure (token {self.forward_raise_token})")
+
+    def before_grammar_compile(self, spec: str) -> None:
+        if self.grammar_compile_sleep > 0 and SLOW_COMPILE in spec:
+            log.warning("fault injection: grammar compile sleeps %.1fs", self.grammar_compile_sleep)
+            time.sleep(self.grammar_compile_sleep)
 
     def before_sample(self, seeds: Sequence[int]) -> None:
         if self.sample_raise_seed is not None and self.sample_raise_seed in seeds:

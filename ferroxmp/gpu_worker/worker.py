@@ -45,6 +45,7 @@ from ..liveness import Heartbeat, remove_if_orphaned
 from . import faults
 from ..radix.pages import PagePool
 from . import cpu_dtype
+from .grammar_prep import GrammarPrep
 from .gpu_memory import after_load, cuda_kv_budget, measure, profile_lengths, profile_pages
 from .kv_pool import pages_for_budget
 from .loader import UnsupportedModel, load_config, resolve_device, weight_bytes
@@ -118,7 +119,10 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
         info["memory"] = runner.memory_info()  # weight bytes by format, KV bytes: /server_info
         supervisor.send(protocol.encode(protocol.Ready(name="worker", pid=os.getpid(), info=info)))
         log.info("worker ready: %s", info)
-        return _serve(runner, pull, results, parent_alive, heart, leader)
+        # Compiles run on their own threads (grammar_prep.py), never in this loop; with
+        # --tp only this rank samples, so only it compiles.
+        prep = GrammarPrep(ctx, ends["worker_results"], lambda: runner.grammars, runner.faults)
+        return _serve(runner, pull, results, parent_alive, heart, leader, prep)
     finally:
         if leader is not None:
             leader.stop()
@@ -182,7 +186,7 @@ def _unlink_on_error(pool: PagePool, build) -> tuple[PagePool, ModelRunner]:
 
 
 def _serve(runner: ModelRunner, pull: zmq.Socket, results: zmq.Socket, parent_alive, heart: Heartbeat,
-           leader=None) -> int:
+           leader=None, prep: Optional[GrammarPrep] = None) -> int:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     while True:
@@ -204,6 +208,8 @@ def _serve(runner: ModelRunner, pull: zmq.Socket, results: zmq.Socket, parent_al
             results.send(protocol.encode(runner.execute(msg)))
             if leader is not None:
                 leader.done()
+        elif isinstance(msg, protocol.PrepareGrammar) and prep is not None:
+            prep.submit(msg)
         elif isinstance(msg, protocol.Shutdown):
             log.info("shutdown: %s", msg.reason or "asked")
             return 0

@@ -22,10 +22,12 @@ from typing import Optional
 
 import numpy as np
 
-from ferroxmp.protocol import BatchResult, ForwardBatch, GenerateReq, NewRow, RowOut, RowStep, Stats, unpack_ids
+from ferroxmp.protocol import (BatchResult, ForwardBatch, GenerateReq, GrammarReady, NewRow, RowOut, RowStep, Stats,
+                               unpack_ids)
 from ferroxmp.radix.pages import PagePool
 from ferroxmp.scheduler.batch import plan_batch
 from ferroxmp.scheduler.cache import CacheManager
+from ferroxmp.scheduler.grammar_wait import GrammarWait
 from ferroxmp.scheduler.inflight import InFlight
 from ferroxmp.scheduler.outputs import Outbox
 from ferroxmp.scheduler.request import Request, State, schedule_decode
@@ -55,11 +57,12 @@ class SchedulerCore:
         self._eos = frozenset(self.cfg.eos_token_ids)
         self._expires_at = math.inf  # no waiting request can expire before this (expire's scan)
         self.step_budget = StepBudget(self.cfg.max_step_seconds, self.cfg.max_batch_tokens)
+        self.grammars = GrammarWait(self.cfg.max_grammar_compile_seconds)  # constrained requests not yet queued
 
     # -- requests in ---------------------------------------------------------------
 
     def refusal(self, req: GenerateReq, n: int) -> Optional[str]:
-        if req.rid in self.requests:
+        if req.rid in self.requests or req.rid in self.grammars.pending:
             return f"request id {req.rid!r} is already running"
         return self.cfg.refusal(req.params, n, self.pool.num_pages)
 
@@ -77,12 +80,31 @@ class SchedulerCore:
         p = msg.params
         stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self._eos)
         req = Request(msg.rid, ids, p, msg.arrival or now, seed=seed, salt=msg.cache_salt, stops=stops)
+        if p.grammar is not None:  # queued once the worker has compiled its grammar (grammar_wait.py)
+            self.grammars.park(req, now)
+            return None
+        self._queue(req)
+        return None
+
+    def _queue(self, req: Request) -> None:
         self.requests[req.rid] = req
         self.waiting.append(req)
         self._expires_at = min(self._expires_at, req.arrival + self.cfg.queue_timeout)
-        return None
+
+    def grammar_ready(self, msg: GrammarReady) -> None:
+        """The worker compiled (or could not compile) a pending request's grammar."""
+        req, refusal = self.grammars.answer(msg, self.totals)
+        if refusal is not None:
+            self.outbox.refuse(refusal)
+        elif req is not None:
+            self._queue(req)
 
     def abort(self, rid: str, reason: str = "abort") -> None:
+        parked = self.grammars.drop(rid)
+        if parked is not None:  # its grammar's GrammarReady will find nothing pending
+            parked.finish(reason)
+            self._emit(parked)
+            return
         req = self.requests.get(rid)
         if req is None or req.state == State.FINISHED:
             return  # finished already, or never known: aborts are idempotent
@@ -99,7 +121,11 @@ class SchedulerCore:
     def expire(self, now: float) -> None:
         """Refuse with 503 what waited past --queue-timeout (retracted rows already
         streamed tokens to their client: they are never dropped). The queue is scanned
-        only once its oldest request can have expired (this runs every loop turn)."""
+        only once its oldest request can have expired (this runs every loop turn).
+        A grammar pending past --max-grammar-compile-seconds is refused with a 400."""
+        if self.grammars.pending:
+            for out in self.grammars.expired(now):
+                self.outbox.refuse(out)
         if now <= self._expires_at:
             return
         for req in [r for r in self.waiting if r.retractions == 0
@@ -220,7 +246,7 @@ class SchedulerCore:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.live and not self.inflight
+        return not self.waiting and not self.live and not self.inflight and not self.grammars.pending
 
     def stats(self) -> Stats:
         """Counters kept as they change: no walk over the tree or the pool."""
@@ -234,6 +260,7 @@ class SchedulerCore:
         s.pages_in_use = self.cache.pages_in_use
         s.pages_cached = self.cache.pages_cached
         s.step_token_budget = self.step_budget.step_tokens
+        s.grammar_pending = len(self.grammars.pending)
         return s
 
     def check_integrity(self) -> None:

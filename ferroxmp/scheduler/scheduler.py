@@ -19,8 +19,8 @@ import zmq
 
 from ferroxmp.config import setup_logging, watch_parent
 from ferroxmp.liveness import Heartbeat
-from ferroxmp.protocol import (AbortReq, BatchResult, GenerateReq, ProtocolError, Ready, RowOut, Shutdown,
-                               TokenOut, decode, encode, endpoints)
+from ferroxmp.protocol import (AbortReq, BatchResult, GenerateReq, GrammarReady, ProtocolError, Ready, RowOut,
+                               Shutdown, TokenOut, decode, encode, endpoints)
 from ferroxmp.radix.pages import PagePool
 from ferroxmp.scheduler.core import SchedulerConfig, SchedulerCore
 
@@ -64,6 +64,8 @@ def run_scheduler(args: dict, run_dir: str, pool_name: str, worker_info: dict) -
                 stop["now"] |= _drain_frontend(from_frontend, core, now)
             if from_worker in ready:
                 _drain_worker(from_worker, core, now)
+            for prep in core.grammars.take_prepares():  # compiled off the worker's batch loop
+                to_worker.send(encode(prep))
             core.expire(now)
             while len(core.inflight) < max_inflight:
                 batch = core.build_batch(now)
@@ -125,6 +127,8 @@ def _drain_worker(sock: zmq.Socket, core: SchedulerCore, now: float) -> None:
             core.process_result(msg, now)
             if DEBUG_INTEGRITY:
                 core.check_integrity()
+        elif isinstance(msg, GrammarReady):
+            core.grammar_ready(msg)
         else:
             log.error("unexpected %s from the worker dropped", type(msg).__name__)
 
