@@ -70,7 +70,7 @@ class GrammarCache:
         codec = TextCodec(model_path)
         n = min(codec.vocab_size, vocab_size)
         toks = [b"" if codec.is_special(i) and i not in eos_ids else codec.token_bytes(i) for i in range(n)]
-        return cls(toks, vocab_size, eos_ids, encode=lambda b: codec.encode(b.decode("utf-8", "replace")))
+        return cls(toks, vocab_size, eos_ids, encode=lambda b: codec.encode(b.decode("utf-8", "replace"), add_special_tokens=False))
 
     def cached(self, g: Grammar) -> bool:
         with self._lock:
@@ -112,8 +112,9 @@ class GrammarCache:
 
 @dataclass
 class _Vocab:
-    """What llguidance's TokenizerWrapper reads: token bytes, EOS, and an encoder (used
-    only to tokenize forced text, which this module never asks for)."""
+    """What llguidance's TokenizerWrapper reads: token bytes, EOS, and an encoder (the
+    engine tokenizes some literal text when it builds a grammar; without the
+    checkpoint's encoder a byte-per-token fallback is used, still correct but slower)."""
     tokens: list[bytes]
     eos: list[int]
     encode: object = None
@@ -129,9 +130,26 @@ class _Vocab:
         return list(self.eos)
 
     def __call__(self, s):
+        b = s if isinstance(s, bytes) else s.encode()
         if self.encode is None:
-            raise NotImplementedError("no encoder")
-        return self.encode(s if isinstance(s, bytes) else s.encode())
+            return self._greedy(b)
+        return self.encode(b)
+
+    def _greedy(self, b: bytes) -> list[int]:
+        """Longest-match tokenization over the token bytes (tests and tools only)."""
+        if not hasattr(self, "_by_bytes"):
+            self._by_bytes = {t: i for i, t in enumerate(self.tokens) if t and i not in self.eos}
+            self._longest = max(map(len, self._by_bytes))
+        out, i = [], 0
+        while i < len(b):
+            for n in range(min(self._longest, len(b) - i), 0, -1):
+                if (tok := self._by_bytes.get(b[i:i + n])) is not None:
+                    out.append(tok)
+                    i += n
+                    break
+            else:
+                raise ValueError(f"byte {b[i]:#x} has no token")
+        return out
 
 
 @dataclass
