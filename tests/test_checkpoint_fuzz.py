@@ -394,7 +394,7 @@ def test_serve_on_a_bad_checkpoint_exits_2_with_one_line_and_leaves_nothing(tiny
 
 # ---- memory sizing ---------------------------------------------------------------------
 
-def test_kv_sizing_failures_name_layers_context_kv_heads_head_dim_and_dtype_bytes(tiny_models):
+def test_kv_sizing_failures_name_layers_context_kv_heads_head_dim_and_dtype_bytes(tiny_models, caplog):
     """A budget under two pages, and a pool the allocator refuses (ENOMEM), both say what
     was sized (2 x layers x tokens x kv heads x head_dim x bytes, with the product), not
     just 'raise --kv-cache-gb'; the product is checked against the config."""
@@ -412,3 +412,7 @@ def test_kv_sizing_failures_name_layers_context_kv_heads_head_dim_and_dtype_byte
     msg = str(e.value)
     assert f"{cfg.num_layers} layers x {(1 << 40) * 16} tokens x {cfg.num_kv_heads} kv heads" in msg, msg
     assert "\n" not in msg
+    per_page = per_context // cfg.max_position_embeddings * 16
+    with caplog.at_level("WARNING", logger="ferroxmp.kv_pool"):  # 3 pages: serves, short of one context
+        assert pages_for_budget(cfg, 16, torch.float32, None, 3 * per_page / 2**30, 0.9, torch.device("cpu")) == 3
+    assert f"{cfg.max_position_embeddings} tokens x {cfg.num_kv_heads} kv heads" in caplog.text, caplog.text
