@@ -532,3 +532,110 @@ def test_a_llama3_round_renders_as_transformers_does(llama3_srv):
     r = post(llama3_srv, {**CHAT, "messages": ROUND, "max_tokens": 2})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == want
+
+
+# ---- nested pydantic tools through real clients (issue 25: they were a 500) ----------------
+
+from pydantic import BaseModel, Field  # noqa: E402
+
+
+class Address(BaseModel):
+    street: str = Field(max_length=10)
+    zip: int = Field(ge=0, le=99999)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=10)
+    home: Address
+    past: list[Address] = Field(max_length=2)
+
+
+def _client(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+
+
+def test_a_nested_pydantic_tool_from_the_openai_sdk_is_called_and_parsed(srv):
+    """`pydantic_function_tool` sends $defs/$ref; the call validates against the sent
+    schema (jsonschema) and the SDK's own parse helper builds the model from it."""
+    tool = openai.pydantic_function_tool(Person)
+    for choice in ("required", {"type": "function", "function": {"name": "Person"}}):
+        out = _client(srv).chat.completions.parse(model="tools", messages=USER, tools=[tool], tool_choice=choice,
+                                                  max_tokens=400, temperature=1.0, seed=41, parallel_tool_calls=False)
+        msg = out.choices[0].message
+        assert out.choices[0].finish_reason == "tool_calls" and len(msg.tool_calls) == 1
+        jsonschema.validate(json.loads(msg.tool_calls[0].function.arguments), tool["function"]["parameters"])
+        assert isinstance(msg.tool_calls[0].function.parsed_arguments, Person)
+
+
+@pytest.mark.parametrize("mode", ["TOOLS", "TOOLS_STRICT"])
+def test_instructor_tools_modes_return_a_valid_nested_model(srv, mode):
+    instructor = pytest.importorskip("instructor")
+    client = instructor.from_openai(_client(srv), mode=getattr(instructor.Mode, mode))
+    for seed in (51, 52):
+        p = client.chat.completions.create(model="tools", messages=USER, response_model=Person, max_retries=0,
+                                           max_tokens=400, temperature=1.0, seed=seed)
+        assert isinstance(p, Person)
+        jsonschema.validate(p.model_dump(mode="json"), Person.model_json_schema())
+
+
+def test_instructor_streamed_partial_mode_ends_in_a_valid_nested_model(srv):
+    instructor = pytest.importorskip("instructor")
+    client = instructor.from_openai(_client(srv), mode=instructor.Mode.TOOLS)
+    partials = list(client.chat.completions.create_partial(
+        response_model=Person, model="tools", messages=USER, max_retries=0, max_tokens=400, temperature=1.0, seed=61))
+    assert partials
+    jsonschema.validate(partials[-1].model_dump(mode="json"), Person.model_json_schema())
+
+
+def test_instructor_iterable_mode_yields_the_tasks_of_the_call(srv):
+    """The streamed call instructor reads equals the non-streamed call of the same seed,
+    which validates against the schema it sent. Its schema leaves `tasks` optional and
+    the random model mostly answers `{}`, which instructor's iterable parser (1.17)
+    rejects as an empty Address: its bug, so seeds whose call is `{}` only check the
+    schema, and at least one seed must carry tasks."""
+    import httpx2
+    instructor = pytest.importorskip("instructor")
+    sent = []
+    oc = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0,
+                       http_client=httpx2.Client(event_hooks={"request": [lambda r: sent.append(r.content)]}))
+    client = instructor.from_openai(oc, mode=instructor.Mode.TOOLS)
+    with_tasks = 0
+    for seed in range(61, 67):
+        kw = dict(model="tools", messages=USER, max_tokens=400, temperature=1.0, seed=seed)
+        try:
+            items = list(client.chat.completions.create_iterable(response_model=Address, max_retries=0, **kw))
+        except Exception:  # noqa: BLE001 - instructor's error on `{}`, checked below
+            items = None
+        body = json.loads(sent[-1])
+        ch = post(srv, {**body, "stream": False}).json()["choices"][0]
+        args = json.loads(ch["message"]["tool_calls"][0]["function"]["arguments"])
+        jsonschema.validate(args, body["tools"][0]["function"]["parameters"])
+        if args.get("tasks"):
+            with_tasks += 1
+            assert [a.model_dump() for a in items] == args["tasks"]
+    assert with_tasks
+
+
+ECHO_TAG = {"type": "function", "function": {"name": "echo", "parameters": {
+    "type": "object", "properties": {"s": {"const": "a</tool_call>b"}}, "required": ["s"]}}}
+
+
+def test_a_forced_call_whose_argument_holds_the_closing_tag_is_a_tool_call(srv):
+    """The argument string holds `</tool_call>` (the schema makes it): the call used to
+    land in content; it is read structurally, whole and streamed."""
+    body = {**CHAT, "tools": [ECHO_TAG], "tool_choice": {"type": "function", "function": {"name": "echo"}}}
+    ch = post(srv, body).json()["choices"][0]
+    assert ch["finish_reason"] == "tool_calls" and ch["message"]["content"] is None, ch
+    assert [json.loads(c["function"]["arguments"]) for c in ch["message"]["tool_calls"]] == [{"s": "a</tool_call>b"}]
+    content, calls, reason = _streamed(srv, body)
+    assert (content, reason) == (None, "tool_calls") and [json.loads(a) for _, a in calls] == [{"s": "a</tool_call>b"}]
+
+
+@pytest.mark.parametrize("params", ["a string", {"type": "string"}, {"type": "object", "enum": []},
+                                    {"type": "object", "properties": {"x": {"type": "string", "minLength": 5,
+                                                                            "maxLength": 2}}}])
+def test_a_non_object_or_unsatisfiable_tool_schema_is_a_400_and_the_server_answers(srv, params):
+    bad = {"type": "function", "function": {"name": "bad", "parameters": params}}
+    r = post(srv, {**CHAT, "tools": [WEATHER, bad], "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[1].function.parameters", r.text
+    assert post(srv, {**CHAT, "max_tokens": 3}).status_code == 200

@@ -14,7 +14,8 @@ Formats (one call when `one`, else one or more):
 - mistral: `[TOOL_CALLS]f[ARGS]{...}`, repeated for each call.
 
 Invariants: JSON is compact with ", " and ": " separators (no free whitespace: a random
-or confused model cannot pad to max_tokens); a function's arguments are always an
+or confused model cannot pad to max_tokens); objects that list their properties admit
+no others (`_close`); a function's arguments are always an
 object (`type: object` is added where the schema leaves the type open), so what the
 grammar admits is what tools.ToolParser accepts as a call.
 """
@@ -34,11 +35,42 @@ def _lit(s: str) -> str:
 
 
 def args_schema(params: dict) -> dict:
-    """The schema the arguments are generated under: the client's, an object, compact."""
+    """The schema the arguments are generated under: the client's, an object, compact,
+    its objects closed."""
     s = copy.deepcopy(params)
     s.setdefault("type", "object")
+    _close(s, in_all_of=False)
     s["x-guidance"] = dict(_COMPACT)
     return s
+
+
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+_DATA = frozenset({"const", "default", "examples", "enum"})
+
+
+def _close(node, in_all_of: bool) -> None:
+    """An object schema that lists `properties` and says nothing of others gets
+    `additionalProperties: false` (as OpenAI's strict mode and xgrammar did): JSON
+    Schema's default admits any extra key, and a model (instructor's TOOLS mode sends
+    such schemas) then invents keys until max_tokens. What is generated still validates
+    against the client's schema. allOf parts are left open: closing each would forbid
+    the others' properties."""
+    if isinstance(node, list):
+        for v in node:
+            _close(v, in_all_of)
+        return
+    if not isinstance(node, dict):
+        return
+    if isinstance(node.get("properties"), dict) and not in_all_of and not any(k in node for k in _OPEN_KEYS):
+        node["additionalProperties"] = False
+    for k, v in node.items():
+        if k in _DATA:
+            continue
+        if k in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas") and isinstance(v, dict):
+            for sub in v.values():
+                _close(sub, False)
+        elif isinstance(v, (dict, list)):
+            _close(v, k == "allOf")
 
 
 def lark(fmt: str, named_params: list[tuple[str, dict]], one: bool) -> str:
