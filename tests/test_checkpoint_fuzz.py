@@ -118,8 +118,8 @@ def base_gguf(tiny_models, tmp_path_factory):
     header layout, its config, weights and greedy answer."""
     path = write_gguf(tiny_models["llama"], str(tmp_path_factory.mktemp("fuzz") / "llama.gguf"), Q.F32)
     cfg, weights = load_all(path)
-    return Base({"path": path, "folder": tiny_models["llama"], "bytes": open(path, "rb").read(), "fields": header_fields(path), "cfg": cfg,
-            "weights": weights, "answer": ferro_greedy(path)})
+    return Base({"path": path, "folder": tiny_models["llama"], "bytes": open(path, "rb").read(),
+                 "fields": header_fields(path), "cfg": cfg, "weights": weights, "answer": ferro_greedy(path)})
 
 
 def _fits(fmt: str, v: int) -> int:

@@ -178,7 +178,8 @@ def hf_config(g: GGUFFile) -> dict[str, Any]:
     heads = _int(g, "attention.head_count", "num_attention_heads")
     if hidden is None or heads is None:
         key = "embedding_length" if hidden is None else "attention.head_count"
-        raise GGUFError(f"{g.path}: {g.architecture}.{key} is missing; expected an integer", f"{g.architecture}.{key}")
+        raise GGUFError(f"{g.path}: {g.architecture}.{key} is missing; expected an integer",
+                        f"{g.architecture}.{key}")
     head_dim = _int(g, "attention.key_length", "head_dim")
     if head_dim is None:
         if hidden % heads:
@@ -202,7 +203,8 @@ def hf_config(g: GGUFFile) -> dict[str, Any]:
     layers, ffn = _int(g, "block_count", "num_hidden_layers"), _int(g, "feed_forward_length", "intermediate_size")
     for key, v in (("block_count", layers), ("feed_forward_length", ffn)):
         if v is None:
-            raise GGUFError(f"{g.path}: {g.architecture}.{key} is missing; expected an integer", f"{g.architecture}.{key}")
+            raise GGUFError(f"{g.path}: {g.architecture}.{key} is missing; expected an integer",
+                            f"{g.architecture}.{key}")
     return {
         "architectures": [arch], "model_type": model_type, "hidden_size": hidden,
         "num_hidden_layers": layers, "num_attention_heads": heads,

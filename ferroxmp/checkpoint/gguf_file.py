@@ -7,10 +7,11 @@ GGUF v2/v3 (little-endian); the tensor bytes are handed to `gguf.quants.dequanti
 
 Invariants: nothing is trusted before it is checked against the file: counts, string
 and array lengths cannot run past its end, a tensor has 1-4 dims, a known GGML type
-and data inside the file (aligned, not overlapping, ending where the file ends); any
-violation is a GGUFError (a CheckpointError) naming the field. `metadata` holds Python
-values (str, int, float, bool, lists of them); `tensors` keeps file order; `raw(name)` is a read-only uint8 view of the mapped file
-shaped (*outer dims, bytes per row), the form `gguf.quants.dequantize` expects.
+and data that tiles the data section as writers lay it out (aligned, in order, ending
+where the file ends); any violation is a GGUFError (a CheckpointError) naming the field.
+`metadata` holds Python values (str, int, float, bool, lists of them); `tensors` keeps
+file order; `raw(name)` is a read-only uint8 view of the mapped file shaped (*outer
+dims, bytes per row), the form `gguf.quants.dequantize` expects.
 """
 from __future__ import annotations
 
@@ -221,7 +222,8 @@ def open_gguf(path: str) -> GGUFFile:
     for i in range(n_kv):
         key = cur.string(f"metadata key #{i}")
         if not key.strip() or not key.isprintable():
-            raise GGUFError(f"{path}: metadata key #{i} is {key[:40]!r}; expected a printable name", f"metadata key #{i}")
+            raise GGUFError(f"{path}: metadata key #{i} is {key[:40]!r}; expected a printable name",
+                            f"metadata key #{i}")
         if key in metadata:
             raise GGUFError(f"{path}: metadata key {key!r} appears twice; expected each key once", key)
         metadata[key] = cur.value(cur.scalar("<I", f"{key} (value type)"), key)

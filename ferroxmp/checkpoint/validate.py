@@ -53,7 +53,8 @@ def expected_shapes(raw: dict) -> tuple[dict[str, tuple], set[str]]:
                  f"model.layers.{i}.post_attention_layernorm.weight": (h,),
                  a + "q_proj.weight": (nh * hd, h), a + "k_proj.weight": (nkv * hd, h),
                  a + "v_proj.weight": (nkv * hd, h), a + "o_proj.weight": (h, nh * hd),
-                 m + "gate_proj.weight": (inter, h), m + "up_proj.weight": (inter, h), m + "down_proj.weight": (h, inter)}
+                 m + "gate_proj.weight": (inter, h), m + "up_proj.weight": (inter, h),
+                 m + "down_proj.weight": (h, inter)}
         need |= set(layer)
         biases = {a + "q_proj.bias": (nh * hd,), a + "k_proj.bias": (nkv * hd,), a + "v_proj.bias": (nkv * hd,),
                   a + "o_proj.bias": (h,)}
