@@ -8,21 +8,19 @@ back, however its response ends (done, error, client gone).
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import os
 import uuid
 from typing import Optional
 
-import jinja2
 import msgspec
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from ferroxmp.frontend import embeddings, schemas, tokenize_api, tool_render, tools
+from ferroxmp.frontend import anthropic_api, dialect, embeddings, schemas, tokenize_api, tools
 from ferroxmp.frontend.auth import Keyring, cache_salt
-from ferroxmp.frontend.errors import ApiError, bad_param
+from ferroxmp.frontend.errors import ApiError
 from ferroxmp.frontend.fields import decode_body
 from ferroxmp.frontend.generation import ClientGone, Generation
 from ferroxmp.frontend.metrics import CONTENT_TYPE
@@ -32,7 +30,7 @@ from ferroxmp.frontend.state import FrontendState
 
 log = logging.getLogger("ferroxmp.frontend")
 _json = msgspec.json.Encoder()
-_GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/embeddings")
+_GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/embeddings", "/v1/messages")
 _STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 # The chat page loads only its own files and talks only to this server; even a reply that
 # slipped past textContent as markup could not run a script or load anything.
@@ -46,6 +44,8 @@ def _json_response(obj, status: int = 200) -> Response:
 
 def _error_response(e: ApiError) -> Response:
     log.warning("request %s: %d %s (param=%s)", getattr(g, "request_id", "-"), e.status, e.message, e.param)
+    if request.path.startswith("/v1/messages"):  # Anthropic's clients read Anthropic's error shape
+        return _json_response(anthropic_api.error_body(e), e.status)
     return _json_response(e.body(), e.status)
 
 
@@ -65,7 +65,10 @@ def create_app(state: FrontendState) -> Flask:
         g.tenant = ""
         path = request.path
         if keyring.enabled and path not in open_paths and not path.startswith("/static/"):
-            g.tenant = keyring.check(request.headers.get("Authorization", ""))
+            # Anthropic's clients send the key as x-api-key
+            api_key = request.headers.get("x-api-key")
+            g.tenant = keyring.check(request.headers.get("Authorization", "") or
+                                     (f"Bearer {api_key}" if api_key else ""))
         if path in _GENERATE_PATHS and request.method == "POST":
             if state.bridge.dead_reason is not None:
                 raise ApiError(503, f"the server is shutting down ({state.bridge.dead_reason})",
@@ -148,14 +151,7 @@ def create_app(state: FrontendState) -> Flask:
     def chat_completions():
         req = schemas.parse_chat(body_json(), state.vocab_size, state.max_model_len, tool_format)
         check_model(req.model)
-        messages, tool_list = tool_render.template_inputs(req.prompts[0], req.tools, encoder.reads_tools)
-        try:
-            ids = encoder.encode_chat(messages, req.chat_extra, tools=tool_list)
-        except (jinja2.TemplateError, TypeError, ValueError) as e:  # the template's own errors, on client data
-            raise bad_param("messages", f"the chat template refused these messages: {e}") from None
-        parser = None
-        if req.tools is not None and req.tools.parses:
-            parser = functools.partial(tools.ToolParser, tool_format, req.tools.names, req.tools.max_calls)
+        ids, parser = dialect.chat_prompt(req, encoder, tool_format)
         fmt = Formatter("chat", g.request_id, state.model_name, state.codec, top_logprobs=req.sampling.logprobs,
                         n=req.n, tool_parser=parser)
         return run(req, [ids], fmt)
@@ -191,6 +187,24 @@ def create_app(state: FrontendState) -> Flask:
         finally:
             gen.close()
             state.end()
+
+    @app.post("/v1/messages")
+    def anthropic_messages():
+        chat = anthropic_api.to_chat(body_json())
+        req = schemas.parse_chat(chat, state.vocab_size, state.max_model_len, tool_format)
+        check_model(req.model)
+        ids, parser = dialect.chat_prompt(req, encoder, tool_format)
+        writer = anthropic_api.MessagesWriter(state.model_name, g.request_id, parser)
+        return dialect.serve(state, dialect.generation(state, req, ids), writer, req.stream,
+                             anthropic_api.error_body)
+
+    @app.post("/v1/messages/count_tokens")
+    def anthropic_count_tokens():
+        chat = anthropic_api.to_chat(body_json(), counting=True)
+        req = schemas.parse_chat(chat, state.vocab_size, state.max_model_len, tool_format)
+        check_model(req.model)
+        ids, _ = dialect.chat_prompt(req, encoder, tool_format)
+        return _json_response({"input_tokens": len(ids)})
 
     @app.post("/tokenize")
     def tokenize():
