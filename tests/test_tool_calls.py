@@ -639,3 +639,18 @@ def test_a_non_object_or_unsatisfiable_tool_schema_is_a_400_and_the_server_answe
     r = post(srv, {**CHAT, "tools": [WEATHER, bad], "tool_choice": "required"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools[1].function.parameters", r.text
     assert post(srv, {**CHAT, "max_tokens": 3}).status_code == 200
+
+
+def test_auto_with_parallel_calls_off_runs_under_its_grammar_and_streams_the_same(srv):
+    """The auto one-call grammar (test_tool_grammar checks what it admits) compiles on the
+    real vocabulary; replies carry at most one valid call, streamed as whole."""
+    body = {**CHAT, "parallel_tool_calls": False, "temperature": 1.0, "seed": 71, "max_tokens": 40}
+    r = post(srv, {**body, "n": 3})
+    assert r.status_code == 200, r.text
+    for ch in r.json()["choices"]:
+        assert len(ch["message"].get("tool_calls") or []) <= 1
+        if ch["message"].get("tool_calls"):
+            check_calls(ch["message"]["tool_calls"])
+    whole = r.json()["choices"][0]
+    content, calls, reason = _streamed(srv, body)
+    assert content == whole["message"]["content"] and reason == whole["finish_reason"]

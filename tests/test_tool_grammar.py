@@ -228,3 +228,24 @@ def test_the_grammar_module_adds_object_type_and_compact_json_only_to_a_copy():
     params = {"properties": {"a": {"type": "string"}}}
     s = tool_grammar.args_schema(params)
     assert s["type"] == "object" and params == {"properties": {"a": {"type": "string"}}}
+
+
+@pytest.mark.parametrize("fmt", [tools.HERMES, tools.MISTRAL_V3, tools.MISTRAL])
+def test_auto_with_parallel_calls_off_admits_text_then_at_most_one_call(fmt):
+    """`parallel_tool_calls: false` used to drop later calls after generating them; now
+    the auto grammar ends the reply after the first call."""
+    g = _req(fmt, "auto", parallel=False).sampling.grammar
+    one, two = (_call_text(fmt, "ping", {"s": "hey"}, n) for n in (1, 2))
+    assert llg_bytes.accepts(g.kind, g.spec, "Sure, a <b> tag and [brackets].")
+    assert llg_bytes.accepts(g.kind, g.spec, "Let me look. " + one)
+    assert not llg_bytes.accepts(g.kind, g.spec, "Let me look. " + two)
+    assert not llg_bytes.accepts(g.kind, g.spec, "x " + one + " and more text")
+    assert not llg_bytes.accepts(g.kind, g.spec, "x " + _call_text(fmt, "ping", {"s": 3}, 1))  # schema
+
+
+def test_auto_with_parallel_calls_on_or_a_client_grammar_is_not_constrained():
+    assert _req(tools.HERMES, "auto", parallel=True).sampling.grammar is None
+    req = schemas.parse_chat({"model": "m", "messages": USER, "tools": ALL, "parallel_tool_calls": False,
+                              "regex": "[a-z]+"}, 1000, tool_format=tools.HERMES)
+    assert req.sampling.grammar.kind == "regex"
+    assert _req(tools.LLAMA3_JSON, "auto", parallel=False).sampling.grammar is None  # one call is the format

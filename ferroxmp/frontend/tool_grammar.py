@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 from ferroxmp.frontend.tools import LLAMA3_JSON, MISTRAL, MISTRAL_V3
 
@@ -73,8 +74,9 @@ def _close(node, in_all_of: bool) -> None:
             _close(v, k == "allOf")
 
 
-def lark(fmt: str, named_params: list[tuple[str, dict]], one: bool) -> str:
-    """Lark text for calls of the given functions (name, parameters schema)."""
+def lark(fmt: str, named_params: list[tuple[str, dict]], one: bool, text_first: bool = False) -> str:
+    """Lark text for calls of the given functions (name, parameters schema); with
+    `text_first` (auto, one call): any text without the call tag, then optionally one call."""
     key = "parameters" if fmt == LLAMA3_JSON else "arguments"
     rules = []
     alts = []
@@ -82,12 +84,15 @@ def lark(fmt: str, named_params: list[tuple[str, dict]], one: bool) -> str:
         schema = json.dumps(args_schema(params), ensure_ascii=False)
         rules.append(f"args_{i}: %json{schema}")
         if fmt == MISTRAL:
-            rules.append(f"call_{i}: {_lit('[TOOL_CALLS]' + name + '[ARGS]')} args_{i}")
+            tag = "" if text_first else "[TOOL_CALLS]"  # text_first: HEAD ends with the tag
+            rules.append(f"call_{i}: {_lit(tag + name + '[ARGS]')} args_{i}")
         else:
             head = '{"name": ' + json.dumps(name) + ', "' + key + '": '
             rules.append(f"call_{i}: {_lit(head)} args_{i} {_lit('}')}")
         alts.append(f"call_{i}")
     rules.append("call: " + " | ".join(alts))
+    if text_first:
+        return "\n".join(_text_then_one(fmt) + rules) + "\n"
     if fmt == LLAMA3_JSON:
         start = "start: call"
     elif fmt == MISTRAL:
@@ -98,6 +103,22 @@ def lark(fmt: str, named_params: list[tuple[str, dict]], one: bool) -> str:
         rules.append(f"block: {_lit('<tool_call>' + chr(10))} call {_lit(chr(10) + '</tool_call>')}")
         start = "start: block" if one else f"start: block ({_lit(chr(10))} block)*"
     return "\n".join([start] + rules) + "\n"
+
+
+def _text_then_one(fmt: str) -> list[str]:
+    """TEXT never holds the tag; HEAD is text up to the first tag, which then opens the
+    one call. (One lexeme each: llguidance's lexer does not backtrack, so TEXT cannot
+    stop short of a tag on its own.)"""
+    tag = "[TOOL_CALLS]" if fmt in (MISTRAL, MISTRAL_V3) else "<tool_call>"
+    rx = re.escape(tag).replace("/", "\\/")
+    if fmt == MISTRAL:
+        rest = "call"
+    elif fmt == MISTRAL_V3:
+        rest = f"{_lit(' [')} call {_lit(']')}"
+    else:
+        rest = f"{_lit(chr(10))} call {_lit(chr(10) + '</tool_call>')}"
+    return [f"start: TEXT | HEAD {rest}", f"TEXT: /(?s:.*)/ & ~/(?s:.*{rx}.*)/",
+            f"HEAD: /(?s:.*){rx}/ & ~/(?s:.*{rx}.+)/"]
 
 
 def engine_error(text: str) -> str | None:

@@ -5,7 +5,9 @@ Job: validate the shapes OpenAI defines, and for `required` or a named function 
 the grammar that makes the reply exactly tool calls (the worker masks the rest), in the
 format of the model's family (tool_grammar: llguidance Lark, each function's schema
 embedded whole so `$defs`/`$ref` resolve): one call when parallel calls are off or a
-function is named, else one or more. The arguments validate against the chosen
+function is named, else one or more. `auto` with parallel calls off is constrained too
+(any text, then at most one call, then the end) unless the client sent its own grammar
+or ignore_eos. The arguments validate against the chosen
 function's `parameters`.
 
 Invariants: a function name is OpenAI's `[A-Za-z0-9_-]{1,64}` and unique; a named
@@ -26,6 +28,7 @@ from ferroxmp.frontend import structured
 from ferroxmp.frontend.errors import bad_param
 from ferroxmp.frontend.fields import Fields, check_names
 from ferroxmp.frontend import tool_grammar, tool_schema
+from ferroxmp.frontend.tools import LLAMA3_JSON
 from ferroxmp.protocol import Grammar
 
 MAX_TOOLS = 128
@@ -41,14 +44,22 @@ class ToolSpec:
     choice: str = "auto"  # none | auto | required | named
     named: Optional[str] = None  # the function a named choice forces
     parallel: bool = True
+    free: bool = True  # no client grammar and no ignore_eos: an auto reply may be constrained
 
     @property
     def names(self) -> frozenset:
         return frozenset(t["function"]["name"] for t in self.tools)
 
     @property
-    def constrains(self) -> bool:
+    def forces(self) -> bool:
+        """The reply must be tool calls (`required` or a named function)."""
         return self.choice in ("required", "named")
+
+    @property
+    def constrains(self) -> bool:
+        """A grammar applies: a forced call, or `auto` with parallel calls off (text, then
+        at most one call, then the end: later calls are never generated)."""
+        return self.forces or (self.choice == "auto" and not self.parallel and self.free)
 
     @property
     def parses(self) -> bool:
@@ -69,7 +80,10 @@ class ToolSpec:
         if not self.constrains:
             return None
         chosen = [self.named] if self.choice == "named" else sorted(self.names)
-        text = tool_grammar.lark(fmt, [(n, self.params(n)) for n in chosen], self.max_calls == 1)
+        if not self.forces and fmt == LLAMA3_JSON:
+            return None  # the family writes one call as the whole reply: nothing to bound
+        text = tool_grammar.lark(fmt, [(n, self.params(n)) for n in chosen], self.max_calls == 1,
+                                 text_first=not self.forces)
         why = tool_grammar.engine_error(text)
         if why is not None:  # name the tool: check each chosen schema alone
             for i, t in enumerate(self.tools):
@@ -88,11 +102,11 @@ def parse(f: Fields, grammar: Optional[Grammar], grammar_field: Optional[str], i
     parallel = f.bool("parallel_tool_calls", True)
     if not tools:
         return None
-    spec = ToolSpec(tools, choice, named, parallel)
-    if spec.constrains and grammar is not None:
+    spec = ToolSpec(tools, choice, named, parallel, free=grammar is None and not ignore_eos)
+    if spec.forces and grammar is not None:
         raise bad_param(f.name(grammar_field or "response_format"), f"cannot be combined with tool_choice "
                         f"'{choice if choice != 'named' else named}': that already constrains the reply")
-    if spec.constrains and ignore_eos:
+    if spec.forces and ignore_eos:
         raise bad_param(f.name("ignore_eos"), "cannot be used with a required or named tool_choice: the "
                         "reply must end where the tool calls do")
     return spec
