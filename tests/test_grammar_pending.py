@@ -49,7 +49,10 @@ def srv(tiny_models):
 def test_a_plain_stream_flows_while_a_grammar_compiles_and_the_overdue_grammar_is_a_400(srv):
     """If the compile ran in the batch loop, the plain stream would wait the whole 3 s
     sleep (and finish after the slow request's answer)."""
-    idle = stream_generate(srv.url, [5, 6, 7, 8], 24, timeout=30)  # warm, and the idle figure
+    stream_generate(srv.url, [5, 6, 7, 8], 24, timeout=30)  # warm
+    t_idle, idle_first = time.monotonic(), {}
+    idle = stream_generate(srv.url, [9, 10, 11, 13], 24, timeout=30,
+                           on_first=lambda: idle_first.setdefault("t", time.monotonic()))
     assert idle.error is None and len(idle.tokens) == 24
     with ThreadPoolExecutor(1) as pool:
         t0 = time.monotonic()
@@ -63,7 +66,8 @@ def test_a_plain_stream_flows_while_a_grammar_compiles_and_the_overdue_grammar_i
         resp, slow_done = slow.result()
     assert plain.error is None and plain.done and len(plain.tokens) == 24, plain
     assert plain_done < slow_done and plain_done - t0 < SLEEP_S, (plain_done - t0, slow_done - t0)
-    print(f"TTFT while a compile is pending: {first['t'] - t_plain:.3f} s")
+    # docs/BENCHMARKS.md section 15 quotes these; no assertion (contended CPU)
+    print(f"TTFT idle {idle_first['t'] - t_idle:.3f} s, while a compile is pending {first['t'] - t_plain:.3f} s")
     assert resp.status_code == 400, resp.text
     assert "--max-grammar-compile-seconds" in resp.json()["error"]["message"], resp.text
     assert slow_done - t0 >= BOUND_S
