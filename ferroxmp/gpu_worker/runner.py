@@ -37,7 +37,7 @@ from .pooling import MODES as POOLING_MODES, Pooled, normed
 from .quant import describe_bytes, resolve_mode
 from .sampler import RowSample, logprobs_of, sample_rows
 
-if TYPE_CHECKING:  # xgrammar (and the transformers it imports) loads on the first constrained row
+if TYPE_CHECKING:  # llguidance (grammar.py) loads on the first constrained request
     from .grammar import GrammarCache, RowGrammar
 log = logging.getLogger("ferroxmp.worker")
 

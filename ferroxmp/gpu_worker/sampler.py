@@ -77,7 +77,7 @@ class RowSample:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [N, vocab] with -inf wherever the row's bit is 0. bitmask [N, ceil(vocab/32)]
-    int32 (xgrammar's layout: token t is bit t % 32 of word t // 32)."""
+    int32 (the grammar engine's layout: token t is bit t % 32 of word t // 32)."""
     bitmask = bitmask.to(logits.device, non_blocking=True)
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)
