@@ -60,7 +60,12 @@ class LocalEngine:
         return self.core.requests.get(rid)
 
     def build(self) -> Optional[ForwardBatch]:
-        """Plan one batch now and queue it for the next `step` (to inspect it first)."""
+        """Plan one batch now and queue it for the next `step` (to inspect it first).
+        Grammars the core asked for are compiled inline first (the worker's compile
+        thread, grammar_prep.py), so a constrained request is planned as in a server."""
+        from ferroxmp.gpu_worker.grammar_prep import prepare
+        for prep in self.core.grammars.take_prepares():
+            self.core.grammar_ready(prepare(self.runner.grammars, prep))
         batch = self.core.build_batch(time.time())
         if batch is not None:
             self.queue.append(batch)

@@ -78,3 +78,23 @@ def test_an_abort_while_pending_ends_the_request_once(core):
     assert core.take_outputs() == [] and core.build_batch(1.0) is None and core.idle
     assert core.stats().grammar_cache_hits == 1
     core.check_integrity()
+
+
+def test_an_in_process_engine_compiles_and_serves_a_constrained_request(tiny_models):
+    """tests/engine.py answers the core's PrepareGrammar inline (grammar_prep.prepare):
+    without it a constrained request would stay pending forever in process."""
+    import re
+
+    from engine import LocalEngine
+    from ferroxmp.frontend.tokenizer import TextCodec
+    eng = LocalEngine(tiny_models["llama"])
+    try:
+        rid = eng.submit([5, 6, 7], max_tokens=20, temperature=1.0, seed=4, grammar=Grammar("regex", "(cat|dog)-[0-9]"))
+        for _ in range(100):
+            if not eng.step():
+                break
+        eos = set(eng.runner.config.eos_token_ids)
+        text = TextCodec(tiny_models["llama"]).decode([t for t in eng.outputs[rid] if t not in eos])
+        assert eng.finish[rid] == "stop" and re.fullmatch(r"(cat|dog)-[0-9]", text), (eng.finish, text)
+    finally:
+        eng.close()

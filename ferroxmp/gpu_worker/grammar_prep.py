@@ -61,18 +61,27 @@ class GrammarPrep:
             sock.close(linger=0)
 
     def prepare(self, msg: protocol.PrepareGrammar) -> protocol.GrammarReady:
-        """Compile (or find) msg's grammar; the answer never raises."""
-        t0 = time.perf_counter()
         try:
             with self._cache_lock:
                 cache = self._get_cache()
-            if self._faults is not None and not cache.cached(msg.grammar):
-                self._faults.before_grammar_compile(msg.grammar.spec)
-            _, hit, _ = cache.compile(msg.grammar)
-            return protocol.GrammarReady(msg.rid, cached=hit, compile_s=0.0 if hit else time.perf_counter() - t0)
-        except ValueError as e:  # GrammarError: the spec itself
-            return protocol.GrammarReady(msg.rid, error=str(e), compile_s=time.perf_counter() - t0)
-        except Exception as e:  # an engine bug must not leave the request pending forever
-            log.exception("compiling the grammar of %s failed", msg.rid)
-            return protocol.GrammarReady(msg.rid, error=f"the grammar engine failed: {type(e).__name__}: {e}"[:300],
-                                         compile_s=time.perf_counter() - t0)
+        except Exception as e:  # e.g. the tokenizer would not load: every request says so
+            log.exception("the grammar cache could not be built")
+            return protocol.GrammarReady(msg.rid, error=f"the grammar engine failed: {type(e).__name__}: {e}"[:300])
+        return prepare(cache, msg, self._faults)
+
+
+def prepare(cache, msg: protocol.PrepareGrammar, faults=None) -> protocol.GrammarReady:
+    """Compile (or find) msg's grammar in `cache`; the answer never raises. (In-process
+    drivers of the scheduler core, tests/engine.py, call it inline.)"""
+    t0 = time.perf_counter()
+    try:
+        if faults is not None and not cache.cached(msg.grammar):
+            faults.before_grammar_compile(msg.grammar.spec)
+        _, hit, _ = cache.compile(msg.grammar)
+        return protocol.GrammarReady(msg.rid, cached=hit, compile_s=0.0 if hit else time.perf_counter() - t0)
+    except ValueError as e:  # GrammarError: the spec itself
+        return protocol.GrammarReady(msg.rid, error=str(e), compile_s=time.perf_counter() - t0)
+    except Exception as e:  # an engine bug must not leave the request pending forever
+        log.exception("compiling the grammar of %s failed", msg.rid)
+        return protocol.GrammarReady(msg.rid, error=f"the grammar engine failed: {type(e).__name__}: {e}"[:300],
+                                     compile_s=time.perf_counter() - t0)
