@@ -9,7 +9,8 @@ Job: split what a model wrote into content and tool calls, in the format of its 
   optionally after `<|python_tag|>`;
 - `mistral_v3` / `mistral` (Mistral): text, then `[TOOL_CALLS]` followed by either a
   JSON list of `{"name": ..., "arguments": {...}}` (v3) or `name[ARGS]{...}` (newer,
-  optionally `name[CALL_ID]id[ARGS]{...}`), repeated per call; both are read either way.
+  optionally `name[CALL_ID]id[ARGS]{...}`), repeated per call; both are read either way
+  (tool_mistral.py).
 The family is read from the chat template (`format_for_template`), Hermes by default.
 
 Invariants:
@@ -31,20 +32,16 @@ Invariants:
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from ferroxmp.frontend.json_scan import JsonScan, decode
+from ferroxmp.frontend.tool_mistral import ARGS, TOOL_CALLS, MistralParsing, held_prefix as _held_prefix
 
 HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL = "hermes", "llama3_json", "mistral_v3", "mistral"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
-TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
-_NAMED = re.compile(r"([A-Za-z0-9_-]{1,64})(?:\[CALL_ID\][A-Za-z0-9]{1,64})?\[ARGS\]")
-_NAMED_CHARS = re.compile(r"[A-Za-z0-9_\-\[\]]*")
-_NAMED_MAX = 160  # longer than any name[CALL_ID]id[ARGS]: past it, not that form
 
 
 def format_for_template(template: Optional[str]) -> str:
@@ -76,16 +73,8 @@ class ToolCall:
 Event = Union[str, ToolCall]
 
 
-def _held_prefix(text: str, token: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `token`."""
-    for k in range(min(len(text), len(token) - 1), 0, -1):
-        if text.endswith(token[:k]):
-            return k
-    return 0
-
-
 @dataclass
-class ToolParser:
+class ToolParser(MistralParsing):
     fmt: str
     names: frozenset
     max_calls: Optional[int] = None
@@ -183,76 +172,6 @@ class ToolParser:
         out.append(self._ws + OPEN + buf[:j + len(CLOSE)])
         self._buf = buf[j + len(CLOSE):]
         self._after_call, self._ws, self._in_call, self._scan = False, "", False, None
-        return True
-
-    # ---- mistral ---------------------------------------------------------------------
-
-    def _feed_mistral(self, out: list[Event]) -> None:
-        while not self._plain:
-            if self._in_call:
-                if not self._mistral_call(out):
-                    return
-                continue
-            if self._after_call:
-                self._buf = self._buf.lstrip()
-                if not self._buf:
-                    return
-                self._after_call = False
-            i = self._buf.find(TOOL_CALLS)
-            if i < 0:
-                keep = len(self._buf) - _held_prefix(self._buf, TOOL_CALLS)
-                head = self._buf[:keep].rstrip()
-                out.append(head)
-                self._buf = self._buf[len(head):]
-                return
-            head = self._buf[:i].rstrip()
-            out.append(head)
-            self._ws, self._buf, self._in_call = self._buf[len(head):i], self._buf[i + len(TOOL_CALLS):], True
-        out.append(self._buf)
-        self._buf = ""
-
-    def _mistral_call(self, out: list[Event]) -> bool:
-        """Decide what follows [TOOL_CALLS] in _buf; False: wait for more. Anything not a
-        well-formed call turns the rest of the reply into content."""
-        buf = self._buf
-        k = len(buf) - len(buf.lstrip())
-        if k == len(buf):
-            return False
-        calls: Optional[list] = None
-        if buf[k] in "[{":  # v3: a list of calls (or one call object)
-            self._scan = self._scan or JsonScan(k)
-            kind, end = self._scan.advance(buf)
-            if kind == "more":
-                return False
-            try:
-                value = decode(buf[k:end])
-            except ValueError:
-                value = None
-            items = value if isinstance(value, list) else [value]
-            calls = [self._call_obj(v, ("arguments",)) for v in items]
-        else:  # name[ARGS]{...}
-            m = _NAMED.match(buf, k)
-            if m is None:
-                if len(buf) - k < _NAMED_MAX and _NAMED_CHARS.fullmatch(buf, k):
-                    return False
-            elif m.end() < len(buf) and buf[m.end()] == "{":
-                self._scan = self._scan or JsonScan(m.end())
-                kind, end = self._scan.advance(buf)
-                if kind == "more":
-                    return False
-                calls = [self._call(f'{{"name": {json.dumps(m.group(1))}, "arguments": {buf[m.end():end]}}}',
-                                    ("arguments",))]
-            elif m.end() == len(buf):
-                return False
-        if not calls or any(c is None for c in calls):
-            self._plain = True
-            self._buf = self._ws + TOOL_CALLS + buf
-            self._ws, self._in_call, self._scan = "", False, None
-            return True
-        for c in calls:
-            self._emit_call(out, c)
-        self._buf = buf[end:]
-        self._after_call, self._ws, self._in_call, self._scan = True, "", False, None
         return True
 
     # ---- llama 3 json ----------------------------------------------------------------
