@@ -249,3 +249,12 @@ def test_auto_with_parallel_calls_on_or_a_client_grammar_is_not_constrained():
                               "regex": "[a-z]+"}, 1000, tool_format=tools.HERMES)
     assert req.sampling.grammar.kind == "regex"
     assert _req(tools.LLAMA3_JSON, "auto", parallel=False).sampling.grammar is None  # one call is the format
+
+
+def test_a_tool_schema_over_the_response_format_bounds_is_a_400_before_any_compile():
+    """Tool lists used to reach the worker's compiler unbounded (a slow compile stalled
+    it): parameters get the bounds response_format has (here > 1,000 properties)."""
+    big = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1001)}}
+    with pytest.raises(ApiError) as e:
+        _req(tools.HERMES, "auto", tool_list=[PLAIN, {"type": "function", "function": {"name": "big", "parameters": big}}])
+    assert e.value.param == "tools[1].function.parameters" and "1000 properties" in e.value.message

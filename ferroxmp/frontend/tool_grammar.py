@@ -122,14 +122,10 @@ def _text_then_one(fmt: str) -> list[str]:
 
 
 def engine_error(text: str) -> str | None:
-    """Why llguidance refuses this Lark text (None: it compiles). It reports schemas it
-    proves unsatisfiable (`enum: []`, minLength > maxLength, ...) as errors."""
-    import llguidance  # loaded on the first constrained request
-    try:
-        is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(llguidance.grammar_from("lark", text))
-    except Exception as e:  # noqa: BLE001 - the engine's own message is the answer
-        return str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-    if not is_error:
-        return None
-    first = (msgs[0] if msgs else "invalid grammar").strip().splitlines()[0]
-    return first.split(": ", 1)[1][:300] if first.startswith("at ") and ": " in first else first[:300]
+    """Why the engine refuses this Lark text (None: it compiles), by the same check and
+    bounds as any client grammar (structured.parse_error: 256 KiB of Lark, llguidance's
+    limits). llguidance proves many unsatisfiable schemas (`enum: []`, minLength >
+    maxLength, ...) and reports them as errors."""
+    from ferroxmp.frontend import structured  # imports the engine on first use
+    from ferroxmp.protocol import Grammar
+    return structured.parse_error(Grammar("lark", text))

@@ -141,8 +141,12 @@ def _tools(f: Fields) -> list[dict]:
             why = tool_schema.check(params)
             if why is not None:
                 raise bad_param(fn.name("parameters"), why)
-            if len(json.dumps(params)) > structured.MAX_SPEC_CHARS:
+            text = json.dumps(params)
+            if len(text) > structured.MAX_SPEC_CHARS:
                 raise bad_param(fn.name("parameters"), f"at most {structured.MAX_SPEC_CHARS} characters of JSON")
+            why = structured.schema_bounds_error(text)  # the bounds response_format has
+            if why is not None:
+                raise bad_param(fn.name("parameters"), why)
             func["parameters"] = params
         fn.bool("strict")  # a constrained call always follows the schema; an auto one is parsed as written
         out.append({"type": "function", "function": func})
