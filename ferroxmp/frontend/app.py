@@ -18,7 +18,7 @@ import msgspec
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from ferroxmp.frontend import anthropic_api, dialect, embeddings, schemas, tokenize_api, tools
+from ferroxmp.frontend import anthropic_api, dialect, embeddings, responses_api, schemas, tokenize_api, tools
 from ferroxmp.frontend.auth import Keyring, cache_salt
 from ferroxmp.frontend.errors import ApiError
 from ferroxmp.frontend.fields import decode_body
@@ -30,7 +30,8 @@ from ferroxmp.frontend.state import FrontendState
 
 log = logging.getLogger("ferroxmp.frontend")
 _json = msgspec.json.Encoder()
-_GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/embeddings", "/v1/messages")
+_GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/embeddings", "/v1/messages",
+                   "/v1/responses")
 _STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 # The chat page loads only its own files and talks only to this server; even a reply that
 # slipped past textContent as markup could not run a script or load anything.
@@ -197,6 +198,28 @@ def create_app(state: FrontendState) -> Flask:
         writer = anthropic_api.MessagesWriter(state.model_name, g.request_id, parser)
         return dialect.serve(state, dialect.generation(state, req, ids), writer, req.stream,
                              anthropic_api.error_body)
+
+    response_store = responses_api.ResponseStore()
+
+    @app.post("/v1/responses")
+    def create_response():
+        chat, messages, echo = responses_api.to_chat(body_json(), response_store)
+        req = schemas.parse_chat(chat, state.vocab_size, state.max_model_len, tool_format)
+        check_model(req.model)
+        ids, parser = dialect.chat_prompt(req, encoder, tool_format)
+        writer = responses_api.ResponsesWriter(state.model_name, g.request_id, parser, echo, messages,
+                                               response_store)
+        return dialect.serve(state, dialect.generation(state, req, ids), writer, req.stream,
+                             responses_api.error_event)
+
+    @app.get("/v1/responses/<response_id>")
+    def get_response(response_id: str):
+        return _json_response(response_store.get(response_id).body)
+
+    @app.delete("/v1/responses/<response_id>")
+    def delete_response(response_id: str):
+        response_store.delete(response_id)
+        return _json_response(responses_api.deleted(response_id))
 
     @app.post("/v1/messages/count_tokens")
     def anthropic_count_tokens():
