@@ -258,3 +258,19 @@ def test_a_tool_schema_over_the_response_format_bounds_is_a_400_before_any_compi
     with pytest.raises(ApiError) as e:
         _req(tools.HERMES, "auto", tool_list=[PLAIN, {"type": "function", "function": {"name": "big", "parameters": big}}])
     assert e.value.param == "tools[1].function.parameters" and "1000 properties" in e.value.message
+
+
+def test_closing_objects_never_forbids_properties_a_combinator_adds():
+    """Objects are closed in the grammar (a model must not invent keys), except where
+    properties may come from elsewhere: an anyOf branch adding `b` to its parent's `a`
+    stays callable with both."""
+    params = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "anyOf": [{"properties": {"b": {"type": "string"}}, "required": ["b"]}]}
+    g = _req(tools.HERMES, _named("f"), tool_list=[{"type": "function", "function": {"name": "f", "parameters": params}}]
+             ).sampling.grammar
+    ok = '<tool_call>\n{"name": "f", "arguments": {"a": 1, "b": "x"}}\n</tool_call>'
+    assert llg_bytes.accepts(g.kind, g.spec, ok)
+    closed = _req(tools.HERMES, _named("ping")).sampling.grammar
+    extra = '<tool_call>\n{"name": "ping", "arguments": {"s": "x", "zz": 1}}\n</tool_call>'
+    assert not llg_bytes.accepts(closed.kind, closed.spec, extra)
+    jsonschema.validate({"s": "x", "zz": 1}, PARAMS["ping"])  # the schema itself admits it

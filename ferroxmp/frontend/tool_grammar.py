@@ -45,7 +45,8 @@ def args_schema(params: dict) -> dict:
     return s
 
 
-_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties",  # said, or may add some
+              "allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas", "dependencies")
 _DATA = frozenset({"const", "default", "examples", "enum"})
 
 
@@ -54,8 +55,10 @@ def _close(node, in_all_of: bool) -> None:
     `additionalProperties: false` (as OpenAI's strict mode and xgrammar did): JSON
     Schema's default admits any extra key, and a model (instructor's TOOLS mode sends
     such schemas) then invents keys until max_tokens. What is generated still validates
-    against the client's schema. allOf parts are left open: closing each would forbid
-    the others' properties."""
+    against the client's schema. Where properties may come from elsewhere it stays
+    open: a node with a combinator, `$ref` or conditional beside its properties, and the
+    direct parts of allOf/anyOf/oneOf (closing a part would forbid its siblings' or its
+    parent's properties)."""
     if isinstance(node, list):
         for v in node:
             _close(v, in_all_of)
@@ -71,7 +74,7 @@ def _close(node, in_all_of: bool) -> None:
             for sub in v.values():
                 _close(sub, False)
         elif isinstance(v, (dict, list)):
-            _close(v, k == "allOf")
+            _close(v, k in ("allOf", "anyOf", "oneOf"))
 
 
 def lark(fmt: str, named_params: list[tuple[str, dict]], one: bool, text_first: bool = False) -> str:
