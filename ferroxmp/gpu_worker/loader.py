@@ -254,13 +254,8 @@ def _quantize_then_select(name: str, t: torch.Tensor, select: Optional[Select]):
 
 
 def _release_freed_memory() -> None:
-    """Give the float copies freed during loading back to the OS (glibc keeps freed heap
-    pages otherwise, and the resident size would still count them)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
+    from .quant.packed import release_freed_memory
+    release_freed_memory()
 
 
 def load_weights(model_path: str, device: torch.device, dtype: torch.dtype,

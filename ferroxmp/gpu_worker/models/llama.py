@@ -29,6 +29,7 @@ from ..loader import ModelConfig
 from ..quant import Int8Rows, cat_rows
 from ..quant import linear as quant_linear
 from ..quant import pack as quant_pack
+from ..quant.packed import release_freed_memory
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -119,6 +120,8 @@ class DecoderLM:
         freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos_table, self.sin_table = emb.cos().to(device), emb.sin().to(device)
+        if not isinstance(self.lm_head, torch.Tensor):  # packing freed float32 copies: return them
+            release_freed_memory()
 
     @property
     def dtype(self) -> torch.dtype:

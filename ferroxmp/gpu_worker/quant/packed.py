@@ -81,6 +81,17 @@ def pack(w, model_dtype: torch.dtype):
     return w
 
 
+def release_freed_memory() -> None:
+    """Give freed float copies (a GGUF tensor dequantized on the way in, the float32
+    input of a prepack) back to the OS: glibc keeps freed heap pages otherwise, and the
+    resident size would still count them. A no-op where libc is not glibc."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear for a float weight; the packed kernel for a PackedInt8."""
     if isinstance(w, torch.Tensor):
