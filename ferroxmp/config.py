@@ -69,6 +69,10 @@ class ServerArgs:
     pooling: str = _f("auto", "How /v1/embeddings pools the final hidden states of a prompt. auto = what the "
                       "checkpoint's sentence-transformers modules.json/Pooling config says, else the last token "
                       "(decoder embedding models such as Qwen3-Embedding).", ["auto", "last", "mean", "cls"])
+    reasoning_parser: str = _f("none", "Split a reasoning model's <think>...</think> from its answer: "
+                               "reasoning_content on chat completions, thinking blocks on /v1/messages, reasoning "
+                               "items on /v1/responses; tool calls are parsed from the answer only.",
+                               ["none", "qwen3", "deepseek-r1"])
     log_level: str = _f("info", "Log level.", ["debug", "info", "warning", "error"])
     shutdown_grace: float = _f(30.0, "Seconds SIGTERM waits for running requests before stopping.")
     stall_timeout: float = _f(60.0, "Seconds a living process may stay silent (paused, stuck) and "

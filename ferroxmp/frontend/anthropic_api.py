@@ -190,7 +190,7 @@ class MessagesWriter:
     blocks: list[dict] = field(default_factory=list)  # the reply's content blocks so far
     finish: Optional[str] = None
     _parser: Optional[ToolParser] = None
-    _open: bool = False  # a streamed text block is open (the last of `blocks`)
+    _open: Optional[str] = None  # the type of the open streamed block ("text"/"thinking", last of `blocks`)
 
     @property
     def id(self) -> str:
@@ -230,6 +230,8 @@ class MessagesWriter:
                 self._parser = self.tool_parser()
             pieces = self._parser.feed(d.text) + (self._parser.finish() if d.finish_reason is not None else [])
         out: list[dict] = []
+        if d.reasoning:  # --reasoning-parser: the thinking, in its own block before the answer
+            out += self._text("thinking", d.reasoning)
         for p in pieces:
             if isinstance(p, ToolCall):
                 out += self._close()
@@ -242,20 +244,28 @@ class MessagesWriter:
                          "delta": {"type": "input_json_delta", "partial_json": p.arguments}},
                         {"type": "content_block_stop", "index": k}]
             elif p:
-                if not self._open:
-                    self._open = True
-                    self.blocks.append({"type": "text", "text": ""})
-                    out.append({"type": "content_block_start", "index": len(self.blocks) - 1,
-                                "content_block": {"type": "text", "text": ""}})
-                self.blocks[-1]["text"] += p
-                out.append({"type": "content_block_delta", "index": len(self.blocks) - 1,
-                            "delta": {"type": "text_delta", "text": p}})
+                out += self._text("text", p)
+        return out
+
+    def _text(self, kind: str, p: str) -> list[dict]:
+        """Append to the open block of `kind` (text or thinking), opening one if needed."""
+        out: list[dict] = []
+        if self._open != kind:
+            out += self._close()
+            self._open = kind
+            block = {"type": "text", "text": ""} if kind == "text" else \
+                {"type": "thinking", "thinking": "", "signature": ""}
+            self.blocks.append(block)
+            out.append({"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": dict(block)})
+        self.blocks[-1][kind] += p
+        delta = {"type": "text_delta", "text": p} if kind == "text" else {"type": "thinking_delta", "thinking": p}
+        out.append({"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta})
         return out
 
     def _close(self) -> list[dict]:
         if not self._open:
             return []
-        self._open = False
+        self._open = None
         return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
 
     def end(self, gen: Generation) -> list[dict]:

@@ -114,7 +114,8 @@ def create_app(state: FrontendState) -> Flask:
                          decode=None if req.kind == "generate" else state.codec.decode,
                          request_id=g.request_id, prompts=prompts, params=params, n=req.n,
                          stops=req.stop, is_disconnected=disconnected,
-                         cache_salt=cache_salt(g.tenant, req.cache_salt))
+                         cache_salt=cache_salt(g.tenant, req.cache_salt),
+                         reasoning=dialect.reasoning_for(state, prompts[0]) if req.kind == "chat" else None)
         state.begin()
         body: Optional[_SSEBody] = None
         try:

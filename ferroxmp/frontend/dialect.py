@@ -26,7 +26,7 @@ import jinja2
 import msgspec
 from flask import Response, g, request
 
-from ferroxmp.frontend import schemas, tool_render, tools
+from ferroxmp.frontend import reasoning, schemas, tool_render, tools
 from ferroxmp.frontend.auth import cache_salt
 from ferroxmp.frontend.errors import ApiError, bad_param
 from ferroxmp.frontend.generation import ClientGone, Generation
@@ -49,12 +49,22 @@ def chat_prompt(req: schemas.ApiRequest, encoder, tool_format: str) -> tuple[lis
     return ids, parser
 
 
+def reasoning_for(state, ids: list[int]):
+    """--reasoning-parser's per-choice splitter factory for this prompt, or None."""
+    parser = state.args.get("reasoning_parser")
+    if not parser or parser == "none":
+        return None
+    tail = state.codec.decode(ids[-16:], skip_special_tokens=False)  # did the template open a think block?
+    return reasoning.splitter_factory(parser, tail)
+
+
 def generation(state, req: schemas.ApiRequest, ids: list[int]) -> Generation:
     params = req.sampling_for(len(ids), state.max_model_len, state.pool_tokens)
     disconnected = request.environ.get("waitress.client_disconnected") or (lambda: False)
     return Generation(bridge=state.bridge, metrics=state.metrics, decode=state.codec.decode,
                       request_id=g.request_id, prompts=[ids], params=[params], n=1, stops=req.stop,
-                      is_disconnected=disconnected, cache_salt=cache_salt(g.tenant, req.cache_salt))
+                      is_disconnected=disconnected, cache_salt=cache_salt(g.tenant, req.cache_salt),
+                      reasoning=reasoning_for(state, ids))
 
 
 def serve(state, gen: Generation, writer: Any, stream: bool,

@@ -20,7 +20,7 @@ import logging
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import msgspec
 
@@ -53,6 +53,7 @@ class Delta:
     tokens: list[TokenInfo]
     finish_reason: Optional[str] = None
     prompt_logprobs: list[Logprobs] = field(default_factory=list)  # prompt positions 1.., in order
+    reasoning: str = ""  # with --reasoning-parser: the thinking part; `text` is then the answer only
 
 
 @dataclass
@@ -68,6 +69,7 @@ class Choice:
     cached_tokens: int = 0
     last_token_at: Optional[float] = None
     embedding: bytes = b""  # an embedding row's pooled vector (RowOut.embedding)
+    reasoning: Any = None  # its reasoning.ReasoningSplitter, with --reasoning-parser
 
     @property
     def done(self) -> bool:
@@ -86,6 +88,7 @@ class Generation:
     stops: list[str] = field(default_factory=list)
     is_disconnected: Callable[[], bool] = lambda: False
     cache_salt: str = ""  # prefixes are shared only between requests with the same salt
+    reasoning: Optional[Callable[[], Any]] = None  # a fresh reasoning.ReasoningSplitter per choice
     arrival: float = field(default_factory=time.time)
     choices: list[Choice] = field(default_factory=list)
     _q: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
@@ -106,6 +109,9 @@ class Generation:
                 reqs.append(GenerateReq(rid=rid, input_ids=pack_ids(ids), params=sp, arrival=self.arrival,
                                         cache_salt=self.cache_salt))
         self._by_rid = {c.rid: c for c in self.choices}
+        if self.reasoning is not None:
+            for c in self.choices:
+                c.reasoning = self.reasoning()
         self.bridge.submit(reqs, self._q)
 
     @property
@@ -134,6 +140,11 @@ class Generation:
                 raise ApiError(status, out.error or "the request failed in the scheduler",
                                code="refused" if status < 500 else "unavailable")
             delta = self._apply(choice, out)
+            if choice.reasoning is not None:  # the split every dialect reads (reasoning.py)
+                delta.reasoning, delta.text = choice.reasoning.feed(delta.text)
+                if delta.finish_reason is not None:
+                    r, t = choice.reasoning.finish()
+                    delta.reasoning, delta.text = delta.reasoning + r, delta.text + t
             if delta.text or delta.tokens or delta.finish_reason or delta.prompt_logprobs:
                 yield delta
 

@@ -40,6 +40,7 @@ class ChoiceText:
     tokens: list[TokenInfo] = field(default_factory=list)
     finish_reason: Optional[str] = None
     prompt_logprobs: list[Logprobs] = field(default_factory=list)  # prompt positions 1..
+    reasoning: list[str] = field(default_factory=list)  # --reasoning-parser: the thinking, apart
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Formatter:
     def add(self, d: Delta) -> None:
         c = self.acc.setdefault(d.index, ChoiceText())
         c.text.append(d.text)
+        c.reasoning.append(d.reasoning)
         c.tokens.extend(d.tokens)
         c.prompt_logprobs.extend(d.prompt_logprobs)
         c.finish_reason = d.finish_reason or c.finish_reason
@@ -123,7 +125,7 @@ class Formatter:
 
     def is_empty(self, d: Delta) -> bool:
         """A delta whose text is still held back carries nothing a text client can use."""
-        return (self.kind != "generate" and not d.text and d.finish_reason is None
+        return (self.kind != "generate" and not d.text and not d.reasoning and d.finish_reason is None
                 and self.top_logprobs is None)
 
     def chunks(self, d: Delta, include_usage: bool) -> list[dict]:
@@ -140,6 +142,8 @@ class Formatter:
         deltas: list[dict] = []
         if first or lps is not None:  # the role opens the choice; logprobs ride on a content delta
             deltas.append({"role": "assistant", "content": ""} if first else {"content": ""})
+        if d.reasoning:  # the thinking goes first and is never parsed for tool calls
+            deltas.append({"reasoning_content": d.reasoning})
         k = p.calls - sum(isinstance(e, ToolCall) for e in events)  # the index of this delta's first call
         for e in events:
             if isinstance(e, ToolCall):  # OpenAI's shape: id and name first, then the arguments
@@ -179,6 +183,8 @@ class Formatter:
             delta = {"role": "assistant", "content": d.text} if first else {"content": d.text}
             if d.finish_reason is not None and not d.text and not first:
                 delta = {}
+            if d.reasoning:
+                delta["reasoning_content"] = d.reasoning
             choice = {"index": d.index, "delta": delta, "logprobs": self._chat_logprobs(d.tokens),
                       "finish_reason": d.finish_reason}
             obj = "chat.completion.chunk"
@@ -219,6 +225,8 @@ class Formatter:
             text = "".join(c.text)
             if self.kind == "chat":
                 message, reason = self._message(text, c.finish_reason)
+                if any(c.reasoning):
+                    message["reasoning_content"] = "".join(c.reasoning)
                 choices.append({"index": i, "message": message, "logprobs": self._chat_logprobs(c.tokens),
                                 "finish_reason": reason})
             else:

@@ -234,6 +234,7 @@ class ResponsesWriter:
     seq: int = 0
     _parser: Optional[ToolParser] = None
     _open: bool = False  # a message item is open (the last of `output`)
+    _thinking: Optional[dict] = None  # an open reasoning item (--reasoning-parser), the last of `output`
 
     @property
     def id(self) -> str:
@@ -269,6 +270,8 @@ class ResponsesWriter:
                 self._parser = self.tool_parser()
             pieces = self._parser.feed(d.text) + (self._parser.finish() if d.finish_reason is not None else [])
         out: list[dict] = []
+        if d.reasoning:
+            out += self._reason(d.reasoning)
         for p in pieces:
             if isinstance(p, ToolCall):
                 out += self._close()
@@ -285,6 +288,7 @@ class ResponsesWriter:
                         {"type": "response.output_item.done", "output_index": k, "item": dict(item)}]
             elif p:
                 if not self._open:
+                    out += self._close()
                     self._open = True
                     item = {"type": "message", "id": "msg_" + uuid.uuid4().hex[:24], "status": "in_progress",
                             "role": "assistant", "content": []}
@@ -301,7 +305,29 @@ class ResponsesWriter:
                             "output_index": len(self.output) - 1, "content_index": 0, "delta": p})
         return out
 
+    def _reason(self, text: str) -> list[dict]:
+        """The thinking, as a reasoning item before the answer's items."""
+        out: list[dict] = []
+        if self._thinking is None:
+            out += self._close()
+            self._thinking = {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex[:24], "summary": [],
+                              "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
+            self.output.append(self._thinking)
+            out.append({"type": "response.output_item.added", "output_index": len(self.output) - 1,
+                        "item": {**self._thinking, "content": []}})
+        self._thinking["content"][0]["text"] += text
+        out.append({"type": "response.reasoning_text.delta", "item_id": self._thinking["id"],
+                    "output_index": len(self.output) - 1, "content_index": 0, "delta": text})
+        return out
+
     def _close(self) -> list[dict]:
+        if self._thinking is not None:
+            item, self._thinking = self._thinking, None
+            item["status"] = "completed"
+            k = self.output.index(item)
+            return [{"type": "response.reasoning_text.done", "item_id": item["id"], "output_index": k,
+                     "content_index": 0, "text": item["content"][0]["text"]},
+                    {"type": "response.output_item.done", "output_index": k, "item": item}]
         if not self._open:
             return []
         self._open = False
