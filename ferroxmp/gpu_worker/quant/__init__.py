@@ -14,9 +14,10 @@ Modules (one job each):
 Why FBGEMM fp16 (the default for a quantized GGUF) and not the int4/int8 weight-only
 kernels: tools/bench_quant.py on this box (docs/BENCHMARKS.md) measured torch's
 `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` at 0.1-0.4x of float32 F.linear
-at M = 1 and 0.03-0.07x at M = 16; FBGEMM's fp16 GEMM ran 1.0-4.5x float32 at M = 1 and
-FBGEMM's dynamic int8 1.5-8x, but int8 quantizes the activations too, which changed
-SmolLM2's greedy answers from the first tokens, while fp16 kept all of them.
+at M = 1 and 0.01-0.9x at M = 16 and 512; FBGEMM's fp16 GEMM ran 1.0-6x float32 in all
+but one (load-hit) cell and FBGEMM's dynamic int8 1.5-10x, but int8 quantizes the
+activations too, which changed SmolLM2's greedy answers from the first tokens and
+tripled its perplexity, while fp16 kept every answer (perplexity +0.01%).
 """
 from .packed import PackedF16, PackedInt8, linear, pack
 from .policy import QUANTIZED_SUFFIXES, describe_bytes, resolve_mode, should_quantize, tensor_bytes
