@@ -220,11 +220,12 @@ section_quant() {  # issue 30: one server at a time on the same GGUF, per --quan
         stop_all
     done
     [ -n "${LLAMA_SERVER:-}" ] || { echo "LLAMA_SERVER unset: llama-server not measured" >&2; return 0; }
-    "$LLAMA_SERVER" -m "$gguf" --port "$A_PORT" -t 2 -np 16 -c 16384 >"$OUT/quant_llama.log" 2>&1 &
+    # 16 slots of 512 tokens: an f16 KV of ~190 MB, next to our 0.25 GiB pool
+    "$LLAMA_SERVER" -m "$gguf" --port "$A_PORT" -t 2 -np 16 -c 8192 >"$OUT/quant_llama.log" 2>&1 &
     PIDS+=($!)
     wait_healthy "$A_PORT" $!
-    measure quant_llama_1 "${W[@]}" --num-prompts 8 --max-concurrency 1 --out "$OUT/quant_llama_1.json"
-    measure quant_llama_16 "${W[@]}" --num-prompts 32 --max-concurrency 16 --out "$OUT/quant_llama_16.json"
+    measure quant_llama_1 "${W[@]}" --no-server-metrics --num-prompts 8 --max-concurrency 1 --out "$OUT/quant_llama_1.json"
+    measure quant_llama_16 "${W[@]}" --no-server-metrics --num-prompts 32 --max-concurrency 16 --out "$OUT/quant_llama_16.json"
     echo "quant llama-server: resident $(rss_mb "${PIDS[-1]}") MiB" | tee "$OUT/quant_llama_memory.txt"
     stop_all
 }
