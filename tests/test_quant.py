@@ -164,3 +164,35 @@ def test_compressed_modes_are_refused_by_name_where_they_cannot_run(tiny_models,
     assert resolve_mode("int8", tiny_models["llama"], CPU) == "int8"
     assert resolve_mode("auto", write_gguf(tiny_models["llama"], str(gguf_of(Q.Q8_0)) + ".f32.gguf", Q.F32),
                         CPU) == "none"
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+def test_a_hugging_face_folder_is_compressed_on_request_whole_and_by_shard(tiny_models, mode):
+    """--quantization on a safetensors folder: the same values as the float load narrowed
+    (fp16: exactly .half(); int8: within scale/2 per element), a --tp shard equal to the
+    whole tensor's slice, and the header estimate equal to the loaded bytes (untied head)."""
+    folder = tiny_models["qwen2"]
+    cfg = load_config(folder)
+    ref = load_weights(folder, CPU, torch.float32, quantization="none")
+    got = load_weights(folder, CPU, torch.float32, quantization=mode)
+    shard = Shard(cfg, 1, 2)
+    part = load_weights(folder, CPU, torch.float32, select=shard.index, quantization=mode)
+    for name, w in ref.items():
+        t = got[name]
+        if not should_quantize(name):
+            assert torch.equal(t, w), name
+        elif mode == "fp16":
+            assert t.dtype == torch.float16 and torch.equal(t, w.half()), name
+        else:
+            assert ((t.dequantize() - w).abs() <= t.scale[:, None] / 2 * (1 + 1e-5) + 1e-12).all(), name
+        index = shard.index(name, tuple(w.shape))
+        if index is None:
+            assert name not in part
+            continue
+        want = t[index] if index else t
+        if isinstance(want, Int8Rows):
+            assert torch.equal(part[name].q, want.q) and torch.equal(part[name].scale, want.scale), name
+        else:
+            assert torch.equal(part[name], want), name
+    model = build_model(cfg, got, CPU)
+    assert sum(model.weight_bytes().values()) == weight_bytes(folder, cfg.dtype, mode)
