@@ -64,6 +64,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # one sampled token, which nobody reads. "mean"/"cls" need every position computed, so
     # such a row adopts no cached prefix (like prompt_logprobs); "last" adopts as usual.
     pooling: Optional[str] = None
+    # --reasoning-parser: the grammar applies only once the generated tokens end with these
+    # ids (the end of the thinking, e.g. Qwen3's </think>); [] = from the first token.
+    grammar_after: list[int] = []
 
     @property
     def greedy(self) -> bool:

@@ -181,3 +181,52 @@ def test_chat_messages_and_responses_split_the_same_greedy_reply(server, thinkin
     r = requests.post(server.url + "/v1/responses", json={"input": MSGS, "max_output_tokens": 12,
                                                           "temperature": 0}).json()
     assert r["output"][0]["type"] == "reasoning" and r["output"][0]["content"][0]["text"] == raw
+
+
+def test_a_grammar_waits_in_the_worker_until_the_thinking_ended(make_harness, tiny_models):
+    """logit_bias +100 pushes a word token X, which a JSON object cannot start with. With
+    grammar_after [X] the first token is X (no mask while thinking) and what follows is
+    an object (the mask is on: unmasked, the bias would repeat X); without it the mask
+    forbids X from the first token. A restarted row (retraction) replays only what
+    followed the marker, so its grammar resumes where it was."""
+    from tokenizers import Tokenizer
+    from ferroxmp.protocol import Grammar, RowStep, SamplingParams
+    path = tiny_models["llama"]
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    x = tok.encode("hello").ids[0]
+    prompt = list(range(5, 25))
+
+    def params(after):
+        return SamplingParams(max_tokens=8, temperature=0.0, grammar=Grammar("json_object"),
+                              logit_bias={x: 100.0}, grammar_after=after)
+    out, _ = make_harness(path).generate({0: prompt}, 8, params=params([x]))
+    thought = out[0]
+    assert thought[0] == x
+    assert tok.decode(thought[1:]).lstrip().startswith("{"), tok.decode(thought[1:])
+    plain, _ = make_harness(path).generate({0: prompt}, 1, params=params([]))
+    assert plain[0][0] != x
+    from ferroxmp.protocol import NewRow, pack_ids, unpack_ids
+    h = make_harness(path)
+    row = NewRow(0, pack_ids(prompt + thought[:3]), params([x]), 0, len(prompt))
+    h.run([row], [RowStep(0, 0, len(prompt) + 2, False)])
+    assert h.runner.rows[0].grammar_on  # the marker is among the replayed tokens
+    res = h.run([], [RowStep(0, len(prompt) + 2, 1, True)])
+    assert unpack_ids(res.tokens).tolist() == [thought[3]]  # the uninterrupted row's next token
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_output_is_enforced_after_the_thinking_not_during_it(server, stream):
+    """With thinking open in the prompt, response_format must not constrain the thinking:
+    the reasoning must equal the unconstrained greedy completion of the same prompt
+    (random weights never close it, so the grammar never starts)."""
+    raw = _raw(server, True)
+    body = {"messages": MSGS, "max_tokens": 12, "temperature": 0, "response_format": {"type": "json_object"},
+            "stream": stream}
+    r = requests.post(server.url + "/v1/chat/completions", json=body, stream=stream)
+    if stream:
+        deltas = [json.loads(x[6:])["choices"][0]["delta"] for x in r.iter_lines(decode_unicode=True)
+                  if x.startswith("data: {")]
+        reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+    else:
+        reasoning = r.json()["choices"][0]["message"]["reasoning_content"]
+    assert reasoning == raw

@@ -109,13 +109,15 @@ def create_app(state: FrontendState) -> Flask:
 
     def run(req: schemas.ApiRequest, prompts: list[list[int]], fmt: Formatter) -> Response:
         params = [req.sampling_for(len(ids), state.max_model_len, state.pool_tokens) for ids in prompts]
+        splitter = dialect.reasoning_for(state, prompts[0]) if req.kind == "chat" else None
+        dialect.think_first(state, splitter, params[0])
         disconnected = request.environ.get("waitress.client_disconnected") or (lambda: False)
         gen = Generation(bridge=state.bridge, metrics=state.metrics,
                          decode=None if req.kind == "generate" else state.codec.decode,
                          request_id=g.request_id, prompts=prompts, params=params, n=req.n,
                          stops=req.stop, is_disconnected=disconnected,
                          cache_salt=cache_salt(g.tenant, req.cache_salt),
-                         reasoning=dialect.reasoning_for(state, prompts[0]) if req.kind == "chat" else None)
+                         reasoning=splitter)
         state.begin()
         body: Optional[_SSEBody] = None
         try:

@@ -58,13 +58,23 @@ def reasoning_for(state, ids: list[int]):
     return reasoning.splitter_factory(parser, tail)
 
 
+def think_first(state, factory, params) -> None:
+    """A reply that starts inside the thinking gets its grammar (response_format, a forced
+    tool call) only after </think>: the worker holds the mask off until it generated
+    those ids (SamplingParams.grammar_after), so the model may think freely first."""
+    if factory is not None and params.grammar is not None and factory().in_reasoning:
+        params.grammar_after = state.codec.encode(reasoning.CLOSE, add_special_tokens=False)
+
+
 def generation(state, req: schemas.ApiRequest, ids: list[int]) -> Generation:
     params = req.sampling_for(len(ids), state.max_model_len, state.pool_tokens)
+    splitter = reasoning_for(state, ids)
+    think_first(state, splitter, params)
     disconnected = request.environ.get("waitress.client_disconnected") or (lambda: False)
     return Generation(bridge=state.bridge, metrics=state.metrics, decode=state.codec.decode,
                       request_id=g.request_id, prompts=[ids], params=[params], n=1, stops=req.stop,
                       is_disconnected=disconnected, cache_salt=cache_salt(g.tenant, req.cache_salt),
-                      reasoning=reasoning_for(state, ids))
+                      reasoning=splitter)
 
 
 def serve(state, gen: Generation, writer: Any, stream: bool,

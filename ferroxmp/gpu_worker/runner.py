@@ -54,6 +54,16 @@ class RowState:
     seed: int
     grammar: Optional["RowGrammar"] = None  # its matcher, when the request asked for structured output
     pooled: Optional[Pooled] = None  # an embedding row's pooling so far (pooling.py)
+    grammar_on: bool = True  # false while a reasoning row thinks (params.grammar_after not yet generated)
+
+
+def _end_of(generated: list[int], mark: list[int]) -> "Optional[int]":
+    """The index just past the first occurrence of `mark` in `generated`, or None."""
+    n = len(mark)
+    for i in range(len(generated) - n + 1):
+        if generated[i:i + n] == mark:
+            return i + n
+    return None
 
 
 class ModelRunner:
@@ -202,8 +212,13 @@ class ModelRunner:
                     raise BatchError(f"new row {nr.row}: pooling {nr.params.pooling!r} is not one of {POOLING_MODES}")
                 st.pooled = Pooled(nr.params.pooling)
             if nr.params.grammar is not None:  # a fresh matcher, replaying what it generated
+                generated = ids[st.prompt_len:]
+                if nr.params.grammar_after:  # only what follows the end of the thinking
+                    end = _end_of(generated, nr.params.grammar_after)
+                    st.grammar_on = end is not None
+                    generated = generated[end:] if end is not None else []
                 try:
-                    st.grammar = self.grammars.matcher(nr.params.grammar, ids[st.prompt_len:])
+                    st.grammar = self.grammars.matcher(nr.params.grammar, generated)
                 except ValueError as e:  # GrammarError
                     raise BatchError(f"new row {nr.row}: {e}") from None
         return staged
@@ -299,9 +314,14 @@ class ModelRunner:
         self.failed.update(row_errors)
         ok = [(r, tok) for j, (r, tok) in enumerate(zip(rows, chosen.tolist())) if j not in bad]
         for r, tok in ok:
-            self.rows[r].tokens.append(tok)
-            if self.rows[r].grammar is not None:
-                self.rows[r].grammar.advance(tok)
+            st = self.rows[r]
+            st.tokens.append(tok)
+            if st.grammar is not None:
+                if st.grammar_on:
+                    st.grammar.advance(tok)
+                else:  # thinking: the grammar starts after the marker's last token
+                    mark = st.params.grammar_after
+                    st.grammar_on = st.tokens[-len(mark):] == mark and len(st.tokens) - st.prompt_len >= len(mark)
         return BatchResult(batch_id=batch.batch_id, rows=pack_ids([r for r, _ in ok]),
                            tokens=pack_ids([t for _, t in ok]),
                            logprobs={rows[j]: lp for j, lp in zip(lp_rows, lps)},
@@ -359,7 +379,7 @@ class ModelRunner:
     def _row_samples(self, want: list[RowState]) -> list[RowSample]:
         """What the sampler needs of each row: its grammar's bitmask for this step, and
         the ids min_tokens still blocks (EOS and stop_token_ids)."""
-        gram = [j for j, st in enumerate(want) if st.grammar is not None]
+        gram = [j for j, st in enumerate(want) if st.grammar is not None and st.grammar_on]
         bitmask = None
         if gram:
             from .grammar import allocate
