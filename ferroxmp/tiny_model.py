@@ -221,6 +221,45 @@ def build_model(shape: str, out_dir: str, seed: int = 0, dtype: Optional[str] = 
     return out_dir
 
 
+# A reasoning model's template (Qwen3-style): the reply opens a think block, unless
+# chat_template_kwargs says enable_thinking: false, which closes it empty.
+REASONING_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else -%}{{ '<think>\\n' }}{%- endif -%}{%- endif -%}")
+
+
+def make_reasoning_variant(src: str, out_dir: str) -> str:
+    """A copy of the checkpoint `src` with REASONING_CHAT_TEMPLATE (chat_template.jinja wins)."""
+    shutil.copytree(src, out_dir)
+    with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(REASONING_CHAT_TEMPLATE)
+    return out_dir
+
+
+def make_embedding_variant(src: str, out_dir: str, pooling: str = "last") -> str:
+    """A copy of `src` dressed as a sentence-transformers embedding checkpoint (as
+    Qwen3-Embedding is): modules.json + 1_Pooling/config.json asking for `pooling`
+    ("last", "mean" or "cls")."""
+    if out_dir != src:
+        shutil.copytree(src, out_dir)
+    write_pooling_config(out_dir, pooling)
+    return out_dir
+
+
+def write_pooling_config(path: str, pooling: str) -> None:
+    _write_json(os.path.join(path, "modules.json"), [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}])
+    os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
+    _write_json(os.path.join(path, "1_Pooling", "config.json"), {
+        "pooling_mode_cls_token": pooling == "cls", "pooling_mode_mean_tokens": pooling == "mean",
+        "pooling_mode_lasttoken": pooling == "last"})
+
+
 def cache_dir() -> str:
     return os.environ.get("FERROXMP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ferroxmp")
 

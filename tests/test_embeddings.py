@@ -10,9 +10,7 @@ token, as Qwen3-Embedding's does); mean and CLS pooling are checked on the worke
 from __future__ import annotations
 
 import base64
-import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -20,6 +18,7 @@ import requests
 
 from ferroxmp.frontend.embeddings import resolve_pooling
 from ferroxmp.protocol import RowStep, SamplingParams
+from ferroxmp.tiny_model import make_embedding_variant, write_pooling_config
 from serverproc import pages_leaked, serving
 
 FLAGS = ("--page-size", "4", "--kv-pages", "1024", "--max-running-requests", "8", "--dtype", "float32",
@@ -30,22 +29,9 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.",
          "tokens each, so the vector comes from the last chunk's last position, not the first chunk's."]
 
 
-def _write_pooling(path: str, mode_key: str) -> None:
-    with open(os.path.join(path, "modules.json"), "w") as f:
-        json.dump([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}], f)
-    os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
-    with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
-        json.dump({"word_embedding_dimension": 64, "pooling_mode_cls_token": mode_key == "cls",
-                   "pooling_mode_mean_tokens": mode_key == "mean", "pooling_mode_lasttoken": mode_key == "last"}, f)
-
-
 @pytest.fixture(scope="module")
 def embed_model(tiny_models, tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("embed") / "qwen3-embed")
-    shutil.copytree(tiny_models["qwen3"], path)
-    _write_pooling(path, "last")
-    return path
+    return make_embedding_variant(tiny_models["qwen3"], str(tmp_path_factory.mktemp("embed") / "qwen3-embed"))
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +152,7 @@ def test_pooling_comes_from_the_flag_then_the_checkpoint_then_last(tmp_path):
     """--pooling wins; else a sentence-transformers Pooling config; else last token."""
     path = str(tmp_path)
     assert resolve_pooling(path) == "last"
-    _write_pooling(path, "mean")
+    write_pooling_config(path, "mean")
     assert resolve_pooling(path) == "mean"
     assert resolve_pooling(path, "cls") == "cls"
     assert resolve_pooling(os.path.join(path, "model.gguf")) == "last"

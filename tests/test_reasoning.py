@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 import requests
@@ -23,6 +22,7 @@ from ferroxmp.frontend.generation import Delta
 from ferroxmp.frontend.reasoning import ReasoningSplitter
 from ferroxmp.frontend.responses import Formatter
 from ferroxmp.frontend.responses_api import ResponsesWriter, ResponseStore
+from ferroxmp.tiny_model import make_reasoning_variant
 from serverproc import serving
 
 REPLY = "<think>\nI should call f.\n</think>\n\nSure. <tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>"
@@ -129,22 +129,12 @@ def test_messages_and_responses_put_the_thinking_in_its_own_block_and_item():
 
 # ---- end to end ---------------------------------------------------------------------------
 
-TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- else -%}{{ '<think>\\n' }}{%- endif -%}{%- endif -%}")
 MSGS = [{"role": "user", "content": "Think, then name a colour."}]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("reasoning") / "think")
-    shutil.copytree(tiny_models["llama"], path)
-    with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
-        f.write(TEMPLATE)
+    path = make_reasoning_variant(tiny_models["llama"], str(tmp_path_factory.mktemp("reasoning") / "think"))
     with serving(path, "--served-model-name", "think", "--reasoning-parser", "qwen3",
                  "--page-size", "4", "--kv-pages", "1024") as s:
         yield s
