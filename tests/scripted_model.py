@@ -52,32 +52,40 @@ def _distinct_segmentation(tok: Tokenizer, text: str, banned: set[int]) -> list[
     raise AssertionError("no segmentation of SCRIPT into distinct tokens; reword it")
 
 
-def build_scripted_model(out_dir: str) -> tuple[str, list[int]]:
-    """A Llama checkpoint that answers every chat with SCRIPT (greedy). Returns (path, script ids)."""
+def build_scripted_model(out_dir: str, script: str = SCRIPT, markup: list[str] = MARKUP,
+                         chat_template: str | None = None,
+                         prompt_tail: str = "<|im_start|>assistant\n") -> tuple[str, list[int]]:
+    """A Llama checkpoint that answers every chat with `script` (greedy), spelled with
+    `markup` as added tokens. `chat_template` replaces the chat template (its generation
+    prompt must end with `prompt_tail`, whose last token triggers the script). Returns
+    (path, script ids)."""
     base = build_model("llama", out_dir + "-base")
     shutil.copytree(base, out_dir)
+    if chat_template is not None:
+        with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
+            f.write(chat_template)
     with open(os.path.join(out_dir, "tokenizer.json")) as f:
         tj = json.load(f)
     vocab = Tokenizer.from_file(os.path.join(out_dir, "tokenizer.json")).get_vocab_size()
-    for k, content in enumerate(MARKUP):
+    for k, content in enumerate(markup):
         tj["added_tokens"].append({"id": vocab + k, "content": content, "single_word": False, "lstrip": False,
                                    "rstrip": False, "normalized": False, "special": False})
     with open(os.path.join(out_dir, "tokenizer.json"), "w") as f:
         json.dump(tj, f)
     tok = Tokenizer.from_file(os.path.join(out_dir, "tokenizer.json"))
     # The chat template ends every prompt with this token: the script starts after it.
-    trigger = tok.encode("<|im_start|>assistant\n").ids[-1]
-    ids = _distinct_segmentation(tok, SCRIPT, banned={trigger, *EOS_TOKEN_IDS, IM_START})
+    trigger = tok.encode(prompt_tail).ids[-1]
+    ids = _distinct_segmentation(tok, script, banned={trigger, *EOS_TOKEN_IDS, IM_START})
 
     with open(os.path.join(out_dir, "config.json")) as f:
         cfg = json.load(f)
-    cfg["vocab_size"] = vocab + len(MARKUP)
+    cfg["vocab_size"] = vocab + len(markup)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f)
     w = load_file(os.path.join(out_dir, "model.safetensors"))
     emb = w["model.embed_tokens.weight"]
     gen = torch.Generator().manual_seed(1)
-    w["model.embed_tokens.weight"] = torch.cat([emb, torch.randn(len(MARKUP), emb.shape[1], generator=gen)])
+    w["model.embed_tokens.weight"] = torch.cat([emb, torch.randn(len(markup), emb.shape[1], generator=gen)])
     for name in w:
         if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
             w[name] = torch.zeros_like(w[name])  # the residual stream stays the token's embedding
