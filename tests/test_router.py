@@ -155,6 +155,12 @@ def test_the_routing_text_of_a_conversation_extends_that_of_its_earlier_turns():
     assert routing_text("/v1/completions", b'{"prompt": "abc"}').endswith("abc")
     assert routing_text("/v1/completions", b'{"prompt": [[1, 2], [3]]}') == "ids:1,2"
     assert routing_text("/v1/completions", b"{not json") == ""
+    # Anthropic messages and Responses input grow the same way, after their system text.
+    for path, key, head in (("/v1/messages", "messages", {"system": "be brief"}),
+                            ("/v1/responses", "input", {"instructions": "be brief"})):
+        grown = [routing_text(path, json.dumps({**head, key: turns[1:k]}).encode()) for k in range(2, 5)]
+        assert all(b.startswith(a) and len(b) > len(a) for a, b in zip(grown, grown[1:])), path
+        assert "be brief" in grown[0] and "hello" in grown[1]
 
 
 # ---- a real router in front of stub backends ----------------------------------------
@@ -172,6 +178,7 @@ class Stub:
         self.running = 0
         self.delay = 0.0  # seconds before the reply's headers, as a server's first token takes
         self.metrics_key: Optional[str] = None  # /metrics answers 401 without this bearer key
+        self.stored: set[str] = set()  # GET paths answered 200 {"id": ...} (a Responses store)
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -190,6 +197,8 @@ class Stub:
             def do_GET(self):
                 if self.path == "/health":
                     self._send(stub.health, b'{"status": "ok"}', "application/json")
+                elif self.path in stub.stored:
+                    self._send(200, json.dumps({"id": self.path.rsplit("/", 1)[1]}).encode(), "application/json")
                 elif self.path == "/metrics" and stub.metrics_key and \
                         self.headers.get("Authorization") != f"Bearer {stub.metrics_key}":
                     self._send(401, b'{"error": {"message": "key", "type": "x", "param": null, "code": "k"}}',
@@ -460,6 +469,36 @@ def test_least_loaded_reads_the_backends_own_running_gauge(stubs, router):
     for _ in range(4):
         _raw_post(r.url, {"prompt": "x"}).raw.read()
     assert (len(busy.received), len(idle.received)) == (0, 4)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "system": "S", "messages": [{"role": "user", "content": "x"}]}),
+    ("/v1/messages/count_tokens", {"model": "m", "messages": [{"role": "user", "content": "x"}]}),
+    ("/v1/responses", {"model": "m", "input": "x", "instructions": "S"}),
+    ("/v1/embeddings", {"model": "m", "input": "x"})])
+def test_the_anthropic_responses_and_embeddings_routes_reach_a_backend_with_their_keys(stubs, router, path, body):
+    """Clients of /v1/messages (the anthropic SDK sends x-api-key), /v1/responses and
+    /v1/embeddings got a 404 from the router; now they are proxied like chat, the
+    backend sees the path, body and key headers."""
+    stub = stubs()
+    stub.pieces = [b"data: [DONE]\n\n"]
+    r = router([stub.url], "--api-key", "sesame")
+    assert requests.post(r.url + path, json=body, timeout=30).status_code == 401
+    got = requests.post(r.url + path, json=body, headers={"x-api-key": "sesame", "anthropic-version": "2023-06-01"},
+                        timeout=30)
+    assert got.status_code == 200
+    seen = stub.received[-1]
+    assert seen["path"] == path and seen["body"] == json.dumps(body).encode()
+    assert seen["headers"]["x-api-key"] == "sesame" and seen["headers"]["anthropic-version"] == "2023-06-01"
+
+
+def test_a_stored_response_is_found_on_whichever_backend_holds_it(stubs, router):
+    """GET/DELETE /v1/responses/{id}: the store is per backend; the router asks each."""
+    empty, holder = stubs(), stubs()
+    holder.stored = {"/v1/responses/resp_1"}
+    r = router([empty.url, holder.url])
+    assert requests.get(r.url + "/v1/responses/resp_1", timeout=30).json() == {"id": "resp_1"}
+    assert requests.get(r.url + "/v1/responses/resp_2", timeout=30).status_code == 404
 
 
 def test_the_router_sends_the_backend_key_when_it_reads_a_keyed_backends_metrics(stubs, router):

@@ -58,9 +58,11 @@ def create_app(state) -> Flask:
         key = state.args.api_key
         if key and (request.path.startswith("/v1/") or request.path == "/generate"):
             given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                raise RouterError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                  "invalid_api_key")
+            anthropic = request.headers.get("x-api-key", "")  # the anthropic SDK's header
+            if not (hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+                    or hmac.compare_digest(anthropic.encode(), key.encode())):
+                raise RouterError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                                  "(or 'x-api-key: <key>')", "invalid_api_key")
 
     @app.errorhandler(RouterError)
     def _router_error(e: RouterError):
@@ -148,10 +150,39 @@ def create_app(state) -> Flask:
     @app.post("/v1/completions")
     @app.post("/v1/chat/completions")
     @app.post("/generate")
+    @app.post("/v1/messages")
+    @app.post("/v1/messages/count_tokens")
+    @app.post("/v1/responses")
+    @app.post("/v1/embeddings")
     def generate():
         body = request.get_data(cache=False)
         ids = block_ids(routing_text(request.path, body), state.args.block_chars)
         return proxy("POST", request.path, body, ids, state.policy)
+
+    @app.get("/v1/responses/<rid>")
+    @app.delete("/v1/responses/<rid>")
+    def stored_response(rid: str):
+        """A stored response lives on the backend that made it: ask each healthy one until
+        one knows the id (404 from all: unknown). The store is per backend, so a
+        `previous_response_id` reaches its history only when the conversation's prefix
+        routes it back there (cache-aware policy), as it does for a growing input."""
+        headers = {k: v for k in FORWARDED_REQUEST_HEADERS if (v := request.headers.get(k)) is not None}
+        last = None
+        for b in state.pool.healthy():
+            try:
+                conn, resp = send(b, request.method, request.path, None, headers, state.args.health_timeout)
+            except (NotReached, OSError, http.client.HTTPException):
+                continue
+            try:
+                data = resp.read()
+            finally:
+                conn.close()
+            last = Response(data, status=resp.status, headers=response_headers(resp))
+            if resp.status != 404:
+                return last
+        if last is None:
+            raise RouterError(503, "no healthy backend", "no_backend")
+        return last
 
     @app.get("/v1/models")
     def models():  # any healthy backend knows the model; this must not turn the round-robin wheel

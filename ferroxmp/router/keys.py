@@ -38,8 +38,7 @@ def routing_text(path: str, body: bytes) -> str:
         messages = req.get("messages")
         if not isinstance(messages, list):
             return ""
-        return "chat:" + "".join(f"{m.get('role')}{_SEP_FIELD}{_content(m.get('content'))}{_SEP_MSG}"
-                                 for m in messages if isinstance(m, dict))
+        return "chat:" + _messages(messages)
     if path.endswith("/completions"):
         prompt = req.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -47,4 +46,22 @@ def routing_text(path: str, body: bytes) -> str:
         return "text:" + prompt if isinstance(prompt, str) else "ids:" + _ids(prompt)
     if path == "/generate":
         return "ids:" + _ids(req.get("input_ids"))
+    if path.startswith("/v1/messages"):  # Anthropic: the system prompt, then the messages
+        system = req.get("system")
+        head = _content(system) if isinstance(system, (str, list)) else ""
+        return "messages:" + head + _SEP_MSG + _messages(req.get("messages"))
+    if path == "/v1/responses":  # the instructions, then the input (a string or items)
+        head = req.get("instructions") if isinstance(req.get("instructions"), str) else ""
+        inp = req.get("input")
+        return "responses:" + head + _SEP_MSG + (inp if isinstance(inp, str) else _messages(inp))
+    if path == "/v1/embeddings":
+        inp = req.get("input")
+        return "embed:" + (inp if isinstance(inp, str) else "")
     return ""
+
+
+def _messages(messages) -> str:
+    if not isinstance(messages, list):
+        return ""
+    return "".join(f"{m.get('role')}{_SEP_FIELD}{_content(m.get('content'))}{_SEP_MSG}"
+                   for m in messages if isinstance(m, dict))

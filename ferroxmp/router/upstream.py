@@ -24,7 +24,8 @@ READ_BYTES = 16384
 # Headers that describe one hop, not the message: never copied between client and backend.
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
               "transfer-encoding", "upgrade", "content-length", "server", "date"}
-FORWARDED_REQUEST_HEADERS = ("Content-Type", "Authorization", "Accept")
+# x-api-key and anthropic-version: what the anthropic SDK sends on /v1/messages.
+FORWARDED_REQUEST_HEADERS = ("Content-Type", "Authorization", "Accept", "x-api-key", "anthropic-version")
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")  # the blank line that ends an SSE event, as the spec allows
 
 
