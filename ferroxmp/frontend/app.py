@@ -22,7 +22,7 @@ from ferroxmp.frontend import anthropic_api, dialect, embeddings, responses_api,
 from ferroxmp.frontend.auth import Keyring, cache_salt
 from ferroxmp.frontend.errors import ApiError
 from ferroxmp.frontend.fields import decode_body
-from ferroxmp.frontend.generation import ClientGone, Generation
+from ferroxmp.frontend.generation import ClientGone, Generation, StreamBody
 from ferroxmp.frontend.metrics import CONTENT_TYPE
 from ferroxmp.frontend.prompts import PromptEncoder
 from ferroxmp.frontend.responses import SSE_DONE, Formatter, sse
@@ -119,13 +119,13 @@ def create_app(state: FrontendState) -> Flask:
                          cache_salt=cache_salt(g.tenant, req.cache_salt),
                          reasoning=splitter)
         state.begin()
-        body: Optional[_SSEBody] = None
+        body: Optional[StreamBody] = None
         try:
             gen.start()
             deltas = gen.deltas()
             first = next(deltas, None)  # waits: a refusal still gets its own HTTP status
             if req.stream:
-                body = _SSEBody(state, gen, _events(gen, deltas, first, fmt, req.include_usage))
+                body = StreamBody(state, gen, _events(gen, deltas, first, fmt, req.include_usage))
                 return Response(body, mimetype="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             for d in ([first] if first else []) + list(deltas):
@@ -286,27 +286,6 @@ def create_app(state: FrontendState) -> Flask:
         return resp
 
     return app
-
-
-class _SSEBody:
-    """The streamed body; `close()` (which WSGI servers always call, also when the client
-    went away or iteration never started) releases the request exactly once."""
-
-    def __init__(self, state: FrontendState, gen: Generation, events):
-        self.state, self.gen, self.events = state, gen, events
-        self._released = False
-
-    def __iter__(self):
-        return self.events
-
-    def close(self) -> None:
-        try:
-            self.events.close()
-        finally:
-            if not self._released:
-                self._released = True
-                self.gen.close()
-                self.state.end()
 
 
 def _events(gen: Generation, deltas, first, fmt: Formatter, include_usage: bool):

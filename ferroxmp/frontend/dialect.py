@@ -29,7 +29,7 @@ from flask import Response, g, request
 from ferroxmp.frontend import reasoning, schemas, tool_render, tools
 from ferroxmp.frontend.auth import cache_salt
 from ferroxmp.frontend.errors import ApiError, bad_param
-from ferroxmp.frontend.generation import ClientGone, Generation
+from ferroxmp.frontend.generation import ClientGone, Generation, StreamBody
 
 log = logging.getLogger("ferroxmp.frontend")
 _json = msgspec.json.Encoder()
@@ -86,7 +86,7 @@ def serve(state, gen: Generation, writer: Any, stream: bool,
         deltas = gen.deltas()
         first = next(deltas, None)  # waits: a refusal still gets its own HTTP status
         if stream:
-            body = _Body(state, gen, _events(gen, writer, first, deltas, on_error))
+            body = StreamBody(state, gen, _events(gen, writer, first, deltas, on_error))
             owned = True
             return Response(body, mimetype="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -122,23 +122,3 @@ def _events(gen: Generation, writer, first, deltas: Iterator, on_error) -> Itera
     except Exception:
         log.exception("request %s: stream failed", gen.request_id)
         yield writer.sse(on_error(ApiError(500, "internal server error", code="internal_error")))
-
-
-class _Body:
-    """The streamed body; `close()` (always called by the WSGI server) releases once."""
-
-    def __init__(self, state, gen: Generation, events):
-        self.state, self.gen, self.events = state, gen, events
-        self._released = False
-
-    def __iter__(self):
-        return self.events
-
-    def close(self) -> None:
-        try:
-            self.events.close()
-        finally:
-            if not self._released:
-                self._released = True
-                self.gen.close()
-                self.state.end()

@@ -231,3 +231,24 @@ def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
 
 def _no_text(ids: list[int]) -> str:
     return ""
+
+
+class StreamBody:
+    """A streamed response body; `close()` (which WSGI servers always call, also when the
+    client went away or iteration never started) releases the request exactly once."""
+
+    def __init__(self, state, gen: "Generation", events):
+        self.state, self.gen, self.events = state, gen, events
+        self._released = False
+
+    def __iter__(self):
+        return self.events
+
+    def close(self) -> None:
+        try:
+            self.events.close()
+        finally:
+            if not self._released:
+                self._released = True
+                self.gen.close()
+                self.state.end()
