@@ -1,5 +1,6 @@
 """Checkpoint files that more than one process reads: GGUF files (metadata, tensors,
-tokenizer) and the default model's location.
+tokenizer), the text codec (tokenizer + chat template, text_codec.py) and the
+default model's location.
 
 Neutral ground: the frontend (tokenizer, chat template) and the worker (config,
 weights) both import this package; it imports nothing of ferroxmp's processes,

@@ -22,7 +22,10 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from .gguf_file import GGUFError, GGUFFile
-from .limits import INT_LIMITS, CheckpointError, bad, float_field, int_field, is_int
+# GGUFUnsupported lives in limits.py so gguf_weights can raise it without importing
+# this module (which imports gguf_weights): no import cycle. Re-exported here.
+from .gguf_weights import CONFIG_TENSORS, dequantize, hf_name
+from .limits import INT_LIMITS, CheckpointError, GGUFUnsupported, bad, float_field, int_field, is_int  # noqa: F401
 
 # general.architecture -> (HF architecture, model_type); 'llama' with a sliding window is Mistral
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "mistral": ("MistralForCausalLM", "mistral"),
@@ -30,10 +33,6 @@ ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "mistral": ("MistralFor
 # Tensor types whose dequantization the tests check against the source weights.
 TENSOR_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q6_K)
 _TORCH_DTYPE = {Q.F32: "float32", Q.F16: "float16", Q.BF16: "bfloat16"}
-
-
-class GGUFUnsupported(CheckpointError):
-    """The GGUF file asks for something ferroxmp does not implement; the message names it."""
 
 
 def _f32(x: Any) -> float:
@@ -45,7 +44,6 @@ def check_supported(g: GGUFFile) -> None:
     if arch not in ARCHITECTURES:
         raise GGUFUnsupported(f"{g.path}: general.architecture {arch!r} is not supported; ferroxmp runs "
                               f"{', '.join(ARCHITECTURES)}", "general.architecture")
-    from .gguf_weights import CONFIG_TENSORS, hf_name  # (gguf_weights imports this module)
     allowed = {int(t) for t in TENSOR_TYPES}
     for info in g.tensors.values():
         if info.name not in CONFIG_TENSORS:
@@ -57,12 +55,6 @@ def check_supported(g: GGUFFile) -> None:
             raise GGUFUnsupported(f"{g.path}: tensor {info.name!r} has type {info.type_name}, which ferroxmp "
                                   f"does not dequantize; supported: {', '.join(t.name for t in TENSOR_TYPES)}",
                                   f"tensor {info.name!r}")
-
-
-def permutes_qk(g: GGUFFile) -> bool:
-    """llama.cpp's converter reorders Llama-family q/k rows for its interleaved rope;
-    Qwen models keep the Hugging Face (half-split) order."""
-    return g.architecture in ("llama", "mistral")
 
 
 def weights_dtype(g: GGUFFile) -> str:
@@ -86,7 +78,6 @@ def _rope_from_freqs(g: GGUFFile, head_dim: int, theta: float) -> Optional[dict]
     """llama3 rope parameters that reproduce `rope_freqs.weight`. llama3's own low/high
     frequency factors (1, 4) are assumed; the original context follows from any divisor
     between 1 and the factor, or from the gap between the unscaled and scaled ones."""
-    from .gguf_weights import dequantize
     factors = dequantize(g, "rope_freqs.weight").astype(np.float64).reshape(-1)
     inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if len(factors) != len(inv) or not np.all(np.isfinite(factors) & (factors >= 1.0)):

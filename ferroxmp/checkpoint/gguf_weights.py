@@ -18,8 +18,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as _dequantize
 
-from .gguf_config import GGUFUnsupported, permutes_qk
 from .gguf_file import GGUFFile
+from .limits import GGUFUnsupported
 
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
@@ -51,6 +51,12 @@ def gguf_name(hf: str) -> str:
     if not m or m.group(2) not in inverse:
         raise KeyError(f"no GGUF name for {hf!r}")
     return f"blk.{m.group(1)}.{inverse[m.group(2)]}.{m.group(3)}"
+
+
+def permutes_qk(g: GGUFFile) -> bool:
+    """llama.cpp's converter reorders Llama-family q/k rows for its interleaved rope;
+    Qwen models keep the Hugging Face (half-split) order."""
+    return g.architecture in ("llama", "mistral")
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -35,6 +35,10 @@ class CheckpointError(ValueError):
         self.field = field
 
 
+class GGUFUnsupported(CheckpointError):
+    """The GGUF file asks for something ferroxmp does not implement; the message names it."""
+
+
 def show(value: Any) -> str:
     """A value as one short line, for an error message."""
     text = repr(value)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .attention import AttentionBackend, StepPlan
+from .attn_base import AttentionBackend, StepPlan
 from .decode_mirror import DecodeMirror
 
 

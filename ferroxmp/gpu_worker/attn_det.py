@@ -34,7 +34,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .attention import AttentionBackend, StepPlan
+from .attn_base import AttentionBackend, StepPlan
 
 Q_TILE = 4  # query rows per gemm micro-tile on this CPU (fp32 and bf16): pad to a multiple
 TILE_TOKENS = 256  # a chunk's queries per tile (bounds the score matrix; tests shrink it)

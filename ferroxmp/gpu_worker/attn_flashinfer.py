@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .attention import AttentionBackend, StepPlan
+from .attn_base import AttentionBackend, StepPlan
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's documented default for its split-k scratch
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import AttentionBackend, StepPlan
+from .attn_base import AttentionBackend, StepPlan
 
 
 @triton.jit

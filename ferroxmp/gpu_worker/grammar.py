@@ -66,7 +66,7 @@ class GrammarCache:
 
     @classmethod
     def for_checkpoint(cls, model_path: str, vocab_size: int, eos_ids: Sequence[int]) -> "GrammarCache":
-        from ..frontend.tokenizer import TextCodec  # the tokenizer only, no transformers
+        from ..checkpoint.text_codec import TextCodec  # the tokenizer only, no transformers
         codec = TextCodec(model_path)
         n = min(codec.vocab_size, vocab_size)
         toks = [b"" if codec.is_special(i) and i not in eos_ids else codec.token_bytes(i) for i in range(n)]
