@@ -180,7 +180,10 @@ def test_streams_cut_at_the_end_of_the_shutdown_grace_get_an_error_event(tiny_mo
     """SIGTERM with --shutdown-grace 2 while a long stream runs: the stream must end
     with an SSE error event (not a bare cut, which a client cannot tell from a
     finished answer), and the server still exits 0 with nothing left."""
-    srv = ServerProcess(tiny_models["llama"], *FLAGS, "--max-model-len", "4096", "--shutdown-grace", "2")
+    # Each step burns >= 5 ms (a test-only fault), so the 1,500-token stream outlasts the
+    # 2 s grace on any machine: on a quiet box the tiny model finished it inside the grace.
+    srv = ServerProcess(tiny_models["llama"], *FLAGS, "--max-model-len", "4096", "--shutdown-grace", "2",
+                        env={"FERROXMP_FAULT_INJECT": "forward_busy_per_token=0.005"})
     try:
         resp = long_stream(srv.url)
         events = stream_lines(resp)
