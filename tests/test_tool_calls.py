@@ -536,18 +536,8 @@ def test_a_llama3_round_renders_as_transformers_does(llama3_srv):
 
 # ---- nested pydantic tools through real clients (issue 25: they were a 500) ----------------
 
-from pydantic import BaseModel, Field  # noqa: E402
-
-
-class Address(BaseModel):
-    street: str = Field(max_length=10)
-    zip: int = Field(ge=0, le=99999)
-
-
-class Person(BaseModel):
-    name: str = Field(max_length=10)
-    home: Address
-    past: list[Address] = Field(max_length=2)
+# The nested models the grammar tests use: one definition for both files.
+from test_tool_grammar import Address, Person  # noqa: E402,F401
 
 
 def _client(srv):
