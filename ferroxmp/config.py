@@ -47,6 +47,17 @@ class ServerArgs:
                                             "tools) may take to compile, off the batch loop, before the "
                                             "request gets a 400; other requests keep running meanwhile.")
     disable_radix_cache: bool = _f(False, "Turn off prefix sharing.")
+    kv_host_gb: float = _f(0.0, "Host-memory tier under the KV pool (GiB): pages evicted from the pool are copied "
+                           "here instead of dropped, and loaded back on a prefix hit. Pinned memory on CUDA; on CPU "
+                           "the pool is host memory already, so this only helps as a cheaper overflow. 0 = off.")
+    kv_cache_dir: Optional[str] = _f(None, "Disk tier and persistent prefix cache: every published KV page is "
+                                     "written here (off the batch loop; a full queue drops, never blocks) and a "
+                                     "server restarted with the same directory and model starts warm. A "
+                                     "subdirectory per model fingerprint (weights, dtype, page size, KV layout, "
+                                     "--tp, quantization, format).")
+    kv_disk_gb: float = _f(16.0, "Most GiB the disk tier may hold; least recently used pages are deleted beyond.")
+    admin_api_key: Optional[str] = _f(None, "Key for admin routes (POST /cache/flush); without it they take the "
+                                      "ordinary --api-key (and are open on a server without keys).")
     disable_overlap: bool = _f(False, "Run one batch at a time instead of building N+1 while N computes.")
     disable_cuda_graph: bool = _f(False, "On CUDA, run decode steps eagerly instead of replaying CUDA graphs "
                                   "captured per padded batch size (CPU never uses graphs).")
@@ -144,6 +155,12 @@ class ServerArgs:
         if self.device == "cuda" and self.quantization in ("fp16", "int8"):
             bad("quantization", f"{self.quantization} runs through FBGEMM, which is CPU only; use --quantization "
                 "none on CUDA")
+        if self.kv_host_gb < 0 or self.kv_disk_gb <= 0:
+            bad("kv_host_gb" if self.kv_host_gb < 0 else "kv_disk_gb", "must be positive")
+        if (self.kv_host_gb > 0 or self.kv_cache_dir) and self.tp > 1:  # only rank 0 would save its KV heads
+            bad("kv_cache_dir" if self.kv_cache_dir else "kv_host_gb", "KV tiers are not implemented with --tp > 1 yet")
+        if (self.kv_host_gb > 0 or self.kv_cache_dir) and self.disable_radix_cache:
+            bad("kv_cache_dir" if self.kv_cache_dir else "kv_host_gb", "KV tiers need the radix cache")
         if self.deterministic and self.tp > 1:  # the follower ranks (tp_step.py) build the default kernels
             bad("deterministic", "is not implemented with --tp > 1 yet; use --tp 1")
         if self.nnodes == 1 and self.dist_init_addr is not None:

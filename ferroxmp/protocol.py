@@ -147,6 +147,12 @@ class Stats(msgspec.Struct, omit_defaults=True):
     grammar_pending: int = 0
     grammar_compile_counts: list[int] = []
     grammar_compile_seconds: float = 0.0
+    # KV tiers: prompt tokens adopted per tier (pool: cached in the pool; host/disk:
+    # loaded back from that tier first), and the worker's latest tier figures.
+    kv_hit_tokens_pool: int = 0
+    kv_hit_tokens_host: int = 0
+    kv_hit_tokens_disk: int = 0
+    kv_tiers: Optional[KVTierStats] = None
 
 
 GRAMMAR_COMPILE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -219,6 +225,74 @@ class GrammarReady(msgspec.Struct, tag=True):
     compile_s: float = 0.0
 
 
+# ---- KV tiers (scheduler/tier_index.py mirrors what gpu_worker/kv_tiers.py holds) ----
+# A page's key is the 16-byte chain hash of its salt and every token up to its end, so
+# a key names a whole prefix: the same key is the same KV, in any tier, on any restart.
+
+KV_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class KVSave(msgspec.Struct, tag=True):
+    """Scheduler -> worker: copy these pool pages out now (before any later batch can
+    reuse them) and keep them under their keys: in the host tier (an eviction), or on
+    disk (`to_disk`: a published page written through, so a restart finds it)."""
+    pages: bytes  # int32 pool pages
+    keys: list[bytes]
+    to_disk: bool = False
+
+
+class KVLoad(msgspec.Struct, tag=True):
+    """Scheduler -> worker: fill these (freshly allocated) pool pages from the tiers."""
+    load_id: int
+    pages: bytes  # int32
+    keys: list[bytes]
+
+
+class KVLoaded(msgspec.Struct, tag=True):
+    """Worker -> scheduler: the first `ok` pages of load `load_id` hold their keys' KV;
+    the rest could not be read (missing, torn, checksum): recomputed instead."""
+    load_id: int
+    ok: int
+    tiers: str = ""  # one letter per loaded page: "h" host, "d" disk
+    seconds: float = 0.0
+
+
+class KVTierStats(msgspec.Struct, omit_defaults=True):
+    host_pages: int = 0
+    host_bytes: int = 0
+    disk_pages: int = 0
+    disk_bytes: int = 0
+    store_queue: int = 0  # pages waiting for the disk writer
+    stores_dropped: int = 0  # a full queue or a failed write: never a blocked step
+    load_failures: int = 0  # pages that could not be read back (then recomputed)
+    loaded_bytes: int = 0
+    stored_bytes: int = 0
+    store_counts: list[int] = []  # per KV_SECONDS_BUCKETS bound (+Inf last): one page written
+    store_seconds: float = 0.0
+    load_counts: list[int] = []  # one KVLoad served
+    load_seconds: float = 0.0
+
+
+class KVTierReport(msgspec.Struct, tag=True):
+    """Worker -> scheduler: keys now held by a tier ("h"/"d", one letter per key) and
+    keys a tier no longer holds; the scheduler's index changes only through these."""
+    stored: list[bytes] = []
+    stored_tiers: str = ""
+    dropped: list[bytes] = []
+    dropped_tiers: str = ""
+    stats: Optional[KVTierStats] = None
+
+
+class KVFlush(msgspec.Struct, tag=True):
+    """Scheduler -> worker: empty the host and disk tiers (POST /cache/flush)."""
+
+
+class FlushCache(msgspec.Struct, tag=True):
+    """Frontend -> scheduler: drop every cached prefix in every tier; answered with a
+    RowOut for `rid` (finish_reason "stop") once the pool's part is done."""
+    rid: str
+
+
 # ---- handshake and control -------------------------------------------------------
 
 class Ready(msgspec.Struct, tag=True):
@@ -238,7 +312,7 @@ def endpoints(run_dir: str) -> dict[str, str]:
 
 
 Message = Union[GenerateReq, AbortReq, TokenOut, ForwardBatch, BatchResult, PrepareGrammar, GrammarReady,
-                Ready, Shutdown]
+                KVSave, KVLoad, KVLoaded, KVTierReport, KVFlush, FlushCache, Ready, Shutdown]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -94,7 +94,7 @@ class Supervisor:
         self.ready_sock.bind(self.ep["supervisor"])
         self.children: dict[str, subprocess.Popen] = {}
         # The key stays off the disk: the frontend reads it from a pipe (see start).
-        self.launch: dict = {"args": {**args.to_dict(), "api_key": None}, "pool_name": self.pool_name,
+        self.launch: dict = {"args": {**args.to_dict(), "api_key": None, "admin_api_key": None}, "pool_name": self.pool_name,
                              "secrets_on_stdin": True}
         if args.tp > 1:
             init = (f"tcp://{args.dist_init_addr}" if args.nnodes > 1
@@ -127,7 +127,8 @@ class Supervisor:
             [sys.executable, "-m", module, "--run-dir", self.run_dir] + (["--rank", str(rank)] if rank else []),
             stdin=subprocess.PIPE, start_new_session=True)  # a terminal's Ctrl-C reaches the supervisor only
         self.children[name] = proc
-        given = {"api_key": self.args.api_key} if name == "frontend" else {}
+        given = ({"api_key": self.args.api_key, "admin_api_key": self.args.admin_api_key}
+                 if name == "frontend" else {})
         try:
             proc.stdin.write(json.dumps(given).encode())
             proc.stdin.close()

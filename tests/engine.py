@@ -24,14 +24,27 @@ from ferroxmp.scheduler.request import Request
 class LocalEngine:
     def __init__(self, model: str, num_pages: int = 64, page_size: int = 4, max_batch_tokens: int = 64,
                  max_rows: int = 8, overlap: bool = False, radix: bool = True, max_model_len: int = 1024,
-                 swa_release_interval: int = 32):
+                 swa_release_interval: int = 32, kv_host_bytes: int = 0, kv_dir: Optional[str] = None,
+                 deterministic: bool = False):
         self.pool = PagePool.create(num_pages, max_rows, -(-max_model_len // page_size))
-        self.runner = ModelRunner(model, self.pool, page_size, keep_logits=True)
+        self.runner = ModelRunner(model, self.pool, page_size, keep_logits=True, deterministic=deterministic)
         cfg = self.runner.config
         self.core = SchedulerCore(self.pool, SchedulerConfig(
             page_size=page_size, max_batch_tokens=max_batch_tokens, max_model_len=max_model_len,
             vocab_size=cfg.vocab_size, eos_token_ids=tuple(cfg.eos_token_ids), radix=radix,
-            sliding_window=cfg.sliding_window, swa_release_interval=swa_release_interval))
+            sliding_window=cfg.sliding_window, swa_release_interval=swa_release_interval,
+            kv_host=kv_host_bytes > 0, kv_disk=kv_dir is not None))
+        # The worker's KV tiers in this process: their threads report into `tier_msgs`,
+        # which `build` hands to the core as the scheduler process would.
+        self.tiers, self.tier_msgs = None, []
+        if kv_host_bytes or kv_dir:
+            from ferroxmp.gpu_worker.kv_disk import open_disk_tier
+            from ferroxmp.gpu_worker.kv_tiers import KVTiers
+            kv = self.runner.kv
+            per_page = 2 * kv.num_layers * kv.page_size * kv.num_kv_heads * kv.head_dim * kv.k.element_size()
+            disk = open_disk_tier(kv_dir, {"model": model, "page_size": page_size}, 1.0, per_page)
+            self.tiers = KVTiers(kv, kv_host_bytes, disk, lambda: self.tier_msgs.append)
+            self.core.kv_report(self.tiers.initial_report())
         self.overlap = overlap
         self.queue: deque[ForwardBatch] = deque()
         self.outputs: dict[str, list[int]] = {}
@@ -67,10 +80,29 @@ class LocalEngine:
         for prep in self.core.grammars.take_prepares():
             self.core.grammar_ready(prepare(self.runner.grammars, prep))
         batch = self.core.build_batch(time.time())
+        self.move_kv()
         if batch is not None:
             self.queue.append(batch)
             self.batches.append(batch)
         return batch
+
+    def move_kv(self) -> None:
+        """Run the core's KV saves/loads/flushes now (before any batch that may reuse the
+        pages), wait for the tiers' threads, and hand their reports to the core."""
+        if self.tiers is None:
+            return
+        for op in self.core.take_kv_ops():
+            report = self.tiers.handle(op)
+            if report is not None:
+                self.core.kv_report(report)
+        self.tiers.drain()
+        from ferroxmp.protocol import KVLoaded
+        msgs, self.tier_msgs[:] = list(self.tier_msgs), []
+        for msg in msgs:
+            if isinstance(msg, KVLoaded):
+                self.core.kv_loaded(msg)
+            else:
+                self.core.kv_report(msg)
 
     def step(self) -> bool:
         """Build (up to the in-flight limit) and run one batch. False when nothing ran."""

@@ -18,7 +18,7 @@ import msgspec
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from ferroxmp.frontend import anthropic_api, dialect, embeddings, responses_api, schemas, tokenize_api, tools
+from ferroxmp.frontend import admin, anthropic_api, dialect, embeddings, responses_api, schemas, tokenize_api, tools
 from ferroxmp.frontend.auth import Keyring, cache_salt
 from ferroxmp.frontend.errors import ApiError
 from ferroxmp.frontend.fields import decode_body
@@ -65,7 +65,9 @@ def create_app(state: FrontendState) -> Flask:
         g.request_id = uuid.uuid4().hex[:24]
         g.tenant = ""
         path = request.path
-        if keyring.enabled and path not in open_paths and not path.startswith("/static/"):
+        if path in admin.ADMIN_PATHS and state.args.get("admin_api_key"):
+            admin.check_admin(state.args, request.headers.get("Authorization", ""))
+        elif keyring.enabled and path not in open_paths and not path.startswith("/static/"):
             # Anthropic's clients send the key as x-api-key
             api_key = request.headers.get("x-api-key")
             g.tenant = keyring.check(request.headers.get("Authorization", "") or
@@ -262,12 +264,16 @@ def create_app(state: FrontendState) -> Flask:
 
     @app.get("/server_info")
     def server_info():
-        args = {**state.args, "api_key": "***" if state.args.get("api_key") else None}
+        args = {**state.args, **{k: "***" if state.args.get(k) else None for k in ("api_key", "admin_api_key")}}
         return _json_response({
             "model": state.model_name, "args": args, "worker_info": state.worker_info,
             "in_flight": state.in_flight, "draining": state.draining,
             "processes": {"frontend": os.getpid(), "scheduler": state.pids.get("scheduler"),
                           "workers": list(state.pids.get("workers") or [])}})
+
+    @app.post("/cache/flush")
+    def cache_flush():
+        return _json_response(admin.flush(state.bridge))
 
     @app.get("/metrics")
     def metrics():

@@ -87,6 +87,18 @@ class Bridge:
             self.release(r.rid for r in reqs)
             raise
 
+    def call(self, msg, rid: str, timeout: float):
+        """Send a control message answered by one RowOut for `rid`; return what arrives
+        (SHUTDOWN when the server goes down). queue.Empty after `timeout`."""
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        with self._routes_lock:
+            self.routes[rid] = q
+        try:
+            self._send(msg)
+            return q.get(timeout=timeout)
+        finally:
+            self.release([rid])
+
     def abort(self, rid: str, finish_reason: str = "abort") -> None:
         try:
             self._send(AbortReq(rid=rid, finish_reason=finish_reason))

@@ -13,7 +13,7 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from ferroxmp.protocol import GRAMMAR_COMPILE_BUCKETS, Stats
+from ferroxmp.protocol import GRAMMAR_COMPILE_BUCKETS, KV_SECONDS_BUCKETS, KVTierStats, Stats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -51,19 +51,51 @@ class _StatsCollector:
             yield GaugeMetricFamily("ferroxmp_" + suffix, doc, value=getattr(stats, attr))
         for suffix, attr, doc in _COUNTERS:
             yield CounterMetricFamily("ferroxmp_" + suffix, doc, value=getattr(stats, attr))
-        yield _compile_histogram(stats)
+        yield _histogram("ferroxmp_grammar_compile_seconds", "Seconds to compile a request's grammar (off the "
+                         "batch loop).", GRAMMAR_COMPILE_BUCKETS, stats.grammar_compile_counts,
+                         stats.grammar_compile_seconds)
+        yield from _tier_metrics(stats)
 
 
-def _compile_histogram(stats) -> HistogramMetricFamily:
-    """The worker's grammar compiles (misses only), from the scheduler's bucket counts."""
-    counts = list(stats.grammar_compile_counts) or [0] * (len(GRAMMAR_COMPILE_BUCKETS) + 1)
-    bounds = [repr(float(b)) for b in GRAMMAR_COMPILE_BUCKETS] + ["+Inf"]
+def _histogram(name: str, doc: str, bounds, counts, total_s: float) -> HistogramMetricFamily:
+    """A histogram from per-bucket counts (the last for +Inf) counted in another process."""
+    counts = list(counts) or [0] * (len(bounds) + 1)
     cumulative, total = [], 0
-    for bound, n in zip(bounds, counts):
+    for bound, n in zip([repr(float(b)) for b in bounds] + ["+Inf"], counts):
         total += n
         cumulative.append((bound, total))
-    return HistogramMetricFamily("ferroxmp_grammar_compile_seconds", "Seconds to compile a request's grammar "
-                                 "(off the batch loop).", buckets=cumulative, sum_value=stats.grammar_compile_seconds)
+    return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=total_s)
+
+
+def _tier_metrics(stats: Stats):
+    """KV tiers (--kv-host-gb, --kv-cache-dir): hits per tier from the scheduler, the
+    rest as the worker last reported it."""
+    hits = CounterMetricFamily("ferroxmp_kv_tier_hit_tokens", "Prompt tokens adopted from the prefix cache, by "
+                               "the tier they were in (host/disk: loaded back into the pool first).", labels=["tier"])
+    for tier in ("pool", "host", "disk"):
+        hits.add_metric([tier], getattr(stats, "kv_hit_tokens_" + tier))
+    yield hits
+    w = stats.kv_tiers or KVTierStats()
+    held = GaugeMetricFamily("ferroxmp_kv_tier_bytes", "Bytes of KV pages held below the pool, by tier.",
+                             labels=["tier"])
+    held.add_metric(["host"], w.host_bytes)
+    held.add_metric(["disk"], w.disk_bytes)
+    yield held
+    yield GaugeMetricFamily("ferroxmp_kv_disk_usage_bytes", "Bytes of page files in the disk tier's directory.",
+                            value=w.disk_bytes)
+    yield GaugeMetricFamily("ferroxmp_kv_store_queue_depth", "Pages waiting for the disk writer.",
+                            value=w.store_queue)
+    for name, value, doc in (("kv_store_dropped", w.stores_dropped, "Page saves dropped (full queue or failed "
+                              "write; never a blocked step)."),
+                             ("kv_load_failures", w.load_failures, "Pages that could not be loaded back (missing, "
+                              "torn, checksum): recomputed."),
+                             ("kv_loaded_bytes", w.loaded_bytes, "Bytes loaded back into the pool."),
+                             ("kv_stored_bytes", w.stored_bytes, "Bytes written to the disk tier.")):
+        yield CounterMetricFamily("ferroxmp_" + name, doc, value=value)
+    yield _histogram("ferroxmp_kv_load_seconds", "Seconds to load one request's pages back into the pool.",
+                     KV_SECONDS_BUCKETS, w.load_counts, w.load_seconds)
+    yield _histogram("ferroxmp_kv_store_seconds", "Seconds to write one page to the disk tier.",
+                     KV_SECONDS_BUCKETS, w.store_counts, w.store_seconds)
 
 
 class Metrics:

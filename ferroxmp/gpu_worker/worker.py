@@ -48,6 +48,7 @@ from . import cpu_dtype
 from .grammar_prep import GrammarPrep
 from .gpu_memory import after_load, cuda_kv_budget, measure, profile_lengths, profile_pages
 from .kv_pool import pages_for_budget
+from .kv_tiers import open_tiers
 from .loader import UnsupportedModel, load_config, resolve_device, weight_bytes
 from .runner import ModelRunner
 
@@ -117,12 +118,17 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
                 "sliding_window": cfg.sliding_window, "model_type": cfg.model_type,
                 "dtype": cfg.dtype_name, "dtype_reason": dtype_reason, "device": str(runner.device), "model_path": model_path, "tp": sa.tp}
         info["memory"] = runner.memory_info()  # weight bytes by format, KV bytes: /server_info
+        tiers = open_tiers(sa, runner, model_path, _sender(ctx, ends["worker_results"]))
+        if tiers is not None:
+            info["kv_tiers"] = tiers.describe()
         supervisor.send(protocol.encode(protocol.Ready(name="worker", pid=os.getpid(), info=info)))
+        if tiers is not None:  # the index rebuilt from disk; queued until the scheduler binds
+            results.send(protocol.encode(tiers.initial_report()))
         log.info("worker ready: %s", info)
         # Compiles run on their own threads (grammar_prep.py), never in this loop; with
         # --tp only this rank samples, so only it compiles.
         prep = GrammarPrep(ctx, ends["worker_results"], lambda: runner.grammars, runner.faults)
-        return _serve(runner, pull, results, parent_alive, heart, leader, prep)
+        return _serve(runner, pull, results, parent_alive, heart, leader, prep, tiers)
     finally:
         if leader is not None:
             leader.stop()
@@ -185,8 +191,19 @@ def _unlink_on_error(pool: PagePool, build) -> tuple[PagePool, ModelRunner]:
         raise
 
 
+def _sender(ctx: zmq.Context, endpoint: str):
+    """For a thread that reports to the scheduler: its own PUSH socket (zmq sockets are
+    not thread-safe), made in that thread."""
+    def make():
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        return lambda msg: sock.send(protocol.encode(msg))
+    return make
+
+
 def _serve(runner: ModelRunner, pull: zmq.Socket, results: zmq.Socket, parent_alive, heart: Heartbeat,
-           leader=None, prep: Optional[GrammarPrep] = None) -> int:
+           leader=None, prep: Optional[GrammarPrep] = None, tiers=None) -> int:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     while True:
@@ -210,6 +227,10 @@ def _serve(runner: ModelRunner, pull: zmq.Socket, results: zmq.Socket, parent_al
                 leader.done()
         elif isinstance(msg, protocol.PrepareGrammar) and prep is not None:
             prep.submit(msg)
+        elif isinstance(msg, (protocol.KVSave, protocol.KVLoad, protocol.KVFlush)) and tiers is not None:
+            report = tiers.handle(msg)
+            if report is not None:
+                results.send(protocol.encode(report))
         elif isinstance(msg, protocol.Shutdown):
             log.info("shutdown: %s", msg.reason or "asked")
             return 0

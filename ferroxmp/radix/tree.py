@@ -30,7 +30,7 @@ from __future__ import annotations
 import heapq
 import struct
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -81,6 +81,9 @@ class RadixCache:
     _seq: int = field(init=False, default=0)
     _num_nodes: int = field(init=False, default=0)
     _heap: list = field(init=False, default_factory=list)  # (last_access, seq, leaf)
+    # Called with the pages evict() is about to free, while their KV is still intact
+    # (the scheduler's tiers save them first: scheduler/tier_moves.py).
+    on_evict: Optional[Callable[[list[int]], None]] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -322,6 +325,8 @@ class RadixCache:
             else:
                 gone = node.pages
                 self._detach(node)
+            if self.on_evict is not None:
+                self.on_evict(gone)
             self.pool.release(gone)
             self.version += 1
             self.num_pages -= len(gone)

@@ -141,6 +141,8 @@ def _admit(plan: Plan, waiting: list[Request], prefilling: list[Request], cache:
     for req, blocking in admission_order(waiting, now, aging_s, cache.match):
         if budget <= 0 or not cache.free_rows:
             break
+        if req.kv_load is not None:
+            continue  # its prefix is on its way up from the host/disk tier (tier_moves.py)
         if pending:
             end = cache.match(req) + ps
             if end < req.known_len and (req.salt, req.tokens[:end].tobytes()) in pending:

@@ -20,7 +20,7 @@ A request holds a `CacheHandle` (opaque outside this module). Invariants:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -28,6 +28,8 @@ import numpy as np
 from ferroxmp.radix.pages import PagePool
 from ferroxmp.radix.tree import RadixCache
 from ferroxmp.scheduler.rowrefs import RowRefs
+from ferroxmp.scheduler.tier_index import TierIndex
+from ferroxmp.scheduler.tier_moves import TierMoves
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -42,6 +44,7 @@ class CacheHandle:
     lock: Any = None  # the locked tree node of the adopted prefix
     published: int = 0  # pages of this row known to be in the tree (publish skips them)
     windowed: bool = False  # the window released early pages: the prefix can't be published
+    keys: list[bytes] = field(default_factory=list)  # chain keys of the first pages (KV tiers only)
 
 
 @dataclass
@@ -49,9 +52,14 @@ class CacheManager:
     pool: PagePool
     page_size: int
     radix: bool = True
+    tiers: Optional[TierIndex] = None  # host/disk tiers below the pool (--kv-host-gb, --kv-cache-dir)
 
     def __post_init__(self) -> None:
         self.tree: Optional[RadixCache] = RadixCache(self.pool, self.page_size) if self.radix else None
+        self.moves: Optional[TierMoves] = None
+        if self.tree is not None and self.tiers is not None and self.tiers.enabled:
+            self.moves = TierMoves(self, self.tiers)
+            self.tree.on_evict = self.moves.evicted
         self.free_rows = list(range(self.pool.max_rows - 1, -1, -1))
         self.handles: dict[int, CacheHandle] = {}  # row -> handle
         self.row_refs = RowRefs(self.pool.num_pages)  # live rows holding each page
@@ -75,8 +83,9 @@ class CacheManager:
 
     @property
     def pages_cached(self) -> int:
-        """Pages held only by the tree (every held page is the tree's or a row's)."""
-        return self.pool.num_pages - self.pool.free_count - self.pages_in_use
+        """Pages held only by the tree (every held page is the tree's, a row's or a load's)."""
+        loading = self.moves.loading_pages if self.moves is not None else 0
+        return self.pool.num_pages - self.pool.free_count - self.pages_in_use - loading
 
     def match(self, req) -> int:
         """Tokens an admission of `req` would adopt now: the longest cached page-aligned
@@ -186,7 +195,9 @@ class CacheManager:
         n = min(req.computed, req.known_len) // self.page_size
         if n <= h.published:
             return
-        self.tree.insert(req.tokens[:n * self.page_size], h.pages[:n], req.salt)
+        already = self.tree.insert(req.tokens[:n * self.page_size], h.pages[:n], req.salt)
+        if self.moves is not None:
+            self.moves.published(req, h, max(already, h.published * self.page_size), n)
         h.published = n
 
     def release(self, req) -> None:
@@ -230,7 +241,7 @@ class CacheManager:
         handles; every row slot is free or held by exactly one handle."""
         holders: dict[int, int] = {}
         rows = np.zeros(self.pool.num_pages, np.int32)
-        for p in (self.tree.pages() if self.tree else []):
+        for p in (self.tree.pages() if self.tree else []) + (self.moves.holders() if self.moves else []):
             holders[p] = holders.get(p, 0) + 1
         for row, h in self.handles.items():
             assert h.row == row, (row, h.row)
@@ -244,6 +255,8 @@ class CacheManager:
         self.pool.check_integrity(holders)
         if self.tree is not None:
             self.tree.check_integrity()
+        if self.moves is not None:
+            self.moves.check_integrity()
         assert (rows == self.row_refs.counts).all(), "row_refs disagree with the handles"
         assert self.pages_in_use == int(np.count_nonzero(rows)), "pages_in_use drifted"
         assert len(self.free_rows) + len(self.handles) == self.pool.max_rows, "row slot leaked"

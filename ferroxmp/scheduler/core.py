@@ -22,8 +22,8 @@ from typing import Optional
 
 import numpy as np
 
-from ferroxmp.protocol import (BatchResult, ForwardBatch, GenerateReq, GrammarReady, NewRow, RowOut, RowStep, Stats,
-                               unpack_ids)
+from ferroxmp.protocol import (BatchResult, ForwardBatch, GenerateReq, GrammarReady, KVLoaded, KVTierReport, NewRow,
+                               RowOut, RowStep, Stats, unpack_ids)
 from ferroxmp.radix.pages import PagePool
 from ferroxmp.scheduler.batch import plan_batch
 from ferroxmp.scheduler.cache import CacheManager
@@ -34,6 +34,9 @@ from ferroxmp.scheduler.request import Request, State, schedule_decode
 from ferroxmp.scheduler.results import apply_decode, apply_steps
 from ferroxmp.scheduler.settings import SchedulerConfig  # noqa: F401 (imported from here too)
 from ferroxmp.scheduler.step_budget import StepBudget
+from ferroxmp.scheduler.tier_index import TierIndex
+
+MAX_LOADS = 8  # KV loads in flight at once (each waits for the worker's loader thread)
 
 log = logging.getLogger("ferroxmp.scheduler")
 
@@ -52,7 +55,8 @@ class SchedulerCore:
     next_batch_id: int = 0
 
     def __post_init__(self) -> None:
-        self.cache = CacheManager(self.pool, self.cfg.page_size, self.cfg.radix)
+        self.tiers = TierIndex(self.cfg.kv_host, self.cfg.kv_disk)
+        self.cache = CacheManager(self.pool, self.cfg.page_size, self.cfg.radix, tiers=self.tiers)
         self._rng = random.Random(self.cfg.seed)
         self._eos = frozenset(self.cfg.eos_token_ids)
         self._expires_at = math.inf  # no waiting request can expire before this (expire's scan)
@@ -126,6 +130,12 @@ class SchedulerCore:
         if self.grammars.pending:
             for out in self.grammars.expired(now):
                 self.outbox.refuse(out)
+        if self.cache.moves is not None and self.cache.moves.loads:
+            for rid in self.cache.moves.overdue(now):
+                req = self.requests.get(rid)
+                if req is not None and req.kv_load is not None:
+                    log.warning("KV load for %s is late; recomputing its prefix", rid)
+                    req.kv_load = None
         if now <= self._expires_at:
             return
         for req in [r for r in self.waiting if r.retractions == 0
@@ -143,6 +153,8 @@ class SchedulerCore:
 
     def build_batch(self, now: float) -> Optional[ForwardBatch]:
         """Plan a step and apply the plan: retractions, admissions, then the steps."""
+        if self.waiting and self.cache.moves is not None and self.tiers.where:
+            self._start_loads(now)
         plan = plan_batch(self.waiting, self.live.values(), self.cache, self.cfg.max_batch_tokens,
                           now, self.cfg.aging_s, self.step_budget.prefill_allowance)
         for req in plan.retract:
@@ -180,6 +192,44 @@ class SchedulerCore:
             for req in self.live.values():
                 self.cache.release_window(req, self.cfg.sliding_window)
         return batch
+
+    def _start_loads(self, now: float) -> None:
+        """Waiting requests whose prompt continues below the pool start loading it; they
+        are admitted once it is in the pool (kv_loaded) or overdue (expire)."""
+        moves = self.cache.moves
+        reserve = sum(1 for r in self.live.values() if r.state is State.DECODING and not r.retracting)
+        for req in self.waiting:
+            if len(moves.loads) >= MAX_LOADS:
+                break
+            moves.start_load(req, reserve, now)
+
+    def kv_loaded(self, msg: KVLoaded) -> None:
+        done = self.cache.moves.finish(msg) if self.cache.moves is not None else None
+        if done is None:
+            return
+        rid, host, disk = done
+        self.totals.kv_hit_tokens_host += host
+        self.totals.kv_hit_tokens_disk += disk
+        req = self.requests.get(rid)
+        if req is not None and req.kv_load == msg.load_id:
+            req.kv_load = None
+
+    def kv_report(self, msg: KVTierReport) -> None:
+        self.tiers.apply(msg)
+
+    def flush_cache(self, rid: str) -> None:
+        """POST /cache/flush: every cached prefix no row holds leaves the pool, and the
+        host and disk tiers are emptied (the worker, in order after earlier saves)."""
+        if self.cache.moves is not None:
+            self.cache.moves.flush()
+        elif self.cache.tree is not None:
+            self.cache.evict(self.cache.tree.num_pages)
+        log.info("cache flushed: %d pages still held by rows", self.cache.pages_in_use)
+        self.outbox.refuse(RowOut(rid, finish_reason="stop"))
+
+    def take_kv_ops(self) -> list:
+        """Saves, loads and flushes for the worker: send them before any later batch."""
+        return self.cache.moves.take_ops() if self.cache.moves is not None and self.cache.moves.ops else []
 
     def new_row(self, req: Request) -> NewRow:
         return NewRow(req.row, np.asarray(req.tokens, "<i4").tobytes(), req.params, req.seed,
@@ -246,7 +296,8 @@ class SchedulerCore:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.live and not self.inflight and not self.grammars.pending
+        return (not self.waiting and not self.live and not self.inflight and not self.grammars.pending
+                and not (self.cache.moves is not None and self.cache.moves.loads))
 
     def stats(self) -> Stats:
         """Counters kept as they change: no walk over the tree or the pool."""
@@ -261,6 +312,8 @@ class SchedulerCore:
         s.pages_cached = self.cache.pages_cached
         s.step_token_budget = self.step_budget.step_tokens
         s.grammar_pending = len(self.grammars.pending)
+        s.kv_hit_tokens_pool = max(0, s.cached_prompt_tokens - s.kv_hit_tokens_host - s.kv_hit_tokens_disk)
+        s.kv_tiers = self.tiers.worker
         return s
 
     def check_integrity(self) -> None:

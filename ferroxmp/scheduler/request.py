@@ -65,6 +65,11 @@ class Request:
     prefill_target: int = 0  # positions to prefill before sampling: all tokens known at admission
     sampled_before: int = 0  # outputs that existed at (re-)admission
     embedding: bytes = b""  # an embedding row's pooled vector, from its one sampling step
+    # KV tiers (tier_moves.py): the load this request waits for (not admitted meanwhile),
+    # the (tree, index, length) versions it was last probed at, its pages' chain keys.
+    kv_load: Optional[int] = None
+    kv_probe: Optional[tuple] = None
+    kv_keys: list = field(default_factory=list)
 
     @property
     def tokens(self) -> np.ndarray:

@@ -19,8 +19,8 @@ import zmq
 
 from ferroxmp.config import setup_logging, watch_parent
 from ferroxmp.liveness import Heartbeat
-from ferroxmp.protocol import (AbortReq, BatchResult, GenerateReq, GrammarReady, ProtocolError, Ready, RowOut,
-                               Shutdown, TokenOut, decode, encode, endpoints)
+from ferroxmp.protocol import (AbortReq, BatchResult, FlushCache, GenerateReq, GrammarReady, KVLoaded, KVTierReport,
+                               ProtocolError, Ready, RowOut, Shutdown, TokenOut, decode, encode, endpoints)
 from ferroxmp.radix.pages import PagePool
 from ferroxmp.scheduler.core import SchedulerConfig, SchedulerCore
 
@@ -69,9 +69,14 @@ def run_scheduler(args: dict, run_dir: str, pool_name: str, worker_info: dict) -
             core.expire(now)
             while len(core.inflight) < max_inflight:
                 batch = core.build_batch(now)
+                # KV saves first: they copy out pages this batch may reuse (tier_moves.py)
+                for op in core.take_kv_ops():
+                    to_worker.send(encode(op))
                 if batch is None:
                     break
                 to_worker.send(encode(batch), copy=False)
+            for op in core.take_kv_ops():  # a flush, or loads started with no batch to send
+                to_worker.send(encode(op))
             outs = core.take_outputs()
             beat = now - last_beat >= HEARTBEAT_S
             if outs or beat:
@@ -113,6 +118,8 @@ def _drain_frontend(sock: zmq.Socket, core: SchedulerCore, now: float) -> bool:
                 core.outbox.refuse(refusal)
         elif isinstance(msg, AbortReq):
             core.abort(msg.rid, msg.finish_reason)
+        elif isinstance(msg, FlushCache):
+            core.flush_cache(msg.rid)
         elif isinstance(msg, Shutdown):
             log.info("shutdown requested: %s", msg.reason)
             return True
@@ -129,6 +136,10 @@ def _drain_worker(sock: zmq.Socket, core: SchedulerCore, now: float) -> None:
                 core.check_integrity()
         elif isinstance(msg, GrammarReady):
             core.grammar_ready(msg)
+        elif isinstance(msg, KVLoaded):
+            core.kv_loaded(msg)
+        elif isinstance(msg, KVTierReport):
+            core.kv_report(msg)
         else:
             log.error("unexpected %s from the worker dropped", type(msg).__name__)
 

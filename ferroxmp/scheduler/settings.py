@@ -24,6 +24,8 @@ class SchedulerConfig:
     seed: int = 0
     max_step_seconds: float = 0.0  # 0: steps bounded by max_batch_tokens only (step_budget.py)
     max_grammar_compile_seconds: float = 5.0  # a grammar still pending after this is a 400
+    kv_host: bool = False  # a host-memory tier below the pool (--kv-host-gb)
+    kv_disk: bool = False  # a disk tier (--kv-cache-dir)
 
     @classmethod
     def from_launch(cls, args: dict, worker_info: dict) -> "SchedulerConfig":
@@ -34,7 +36,8 @@ class SchedulerConfig:
                    sliding_window=worker_info.get("sliding_window"),
                    swa_release_interval=args["swa_release_interval"], seed=args.get("seed", 0),
                    max_step_seconds=args.get("max_step_seconds", 0.0),
-                   max_grammar_compile_seconds=args.get("max_grammar_compile_seconds", 5.0))
+                   max_grammar_compile_seconds=args.get("max_grammar_compile_seconds", 5.0),
+                   kv_host=bool(args.get("kv_host_gb")), kv_disk=bool(args.get("kv_cache_dir")))
 
     def refusal(self, p: SamplingParams, n: int, num_pages: int) -> Optional[str]:
         """Why a request of n prompt tokens can never run here (400), or None."""
