@@ -250,6 +250,14 @@ class KVTiers:
                 send(self._with_stats(KVTierReport(dropped=failed * 2, dropped_tiers="h" * len(failed) + "d" * len(failed))))
             self.loads.task_done()
 
+    def close(self, timeout: float = 4.0) -> None:  # within the supervisor's 5 s teardown
+        """At shutdown: give the disk writer up to `timeout` to finish what is queued, so
+        a SIGTERM'd server's pages are on disk for the next one (kill -9 loses the queue
+        only: the files are whole or absent)."""
+        deadline = time.time() + timeout
+        while self.disk is not None and self.writes.unfinished_tasks and time.time() < deadline:
+            time.sleep(0.01)
+
     def drain(self, timeout: float = 30.0) -> None:
         """Wait until both queues are empty and their last item is done (tests)."""
         deadline = time.time() + timeout

@@ -93,6 +93,7 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
     max_pages_per_row = math.ceil(max_model_len / sa.page_size)
     pool: Optional[PagePool] = None
     ctx: Optional[zmq.Context] = None
+    tiers = None
     try:
         if sa.tp > 1:
             leader = tp_step.Leader(tp_step.join(tp_info, 0, device, sa, cfg))
@@ -132,6 +133,8 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
     finally:
         if leader is not None:
             leader.stop()
+        if tiers is not None:
+            tiers.close()
         if ctx is not None:
             ctx.destroy(linger=0)
         if pool is not None:
