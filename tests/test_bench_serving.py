@@ -150,6 +150,23 @@ def test_shared_prefix_prompts_really_share_their_groups_system_prompt():
                                     {"role": "user", "content": job.questions[0]}]
 
 
+def test_cycled_prefixes_are_each_reused_once_per_round_in_the_same_order():
+    """N distinct prefixes, then the same N again in the same order, `rounds` times: a shuffled
+    or grouped order would let an LRU pool keep a prefix until its reuse, which is not the
+    worst case this workload exists to measure. The questions after the prefix all differ."""
+    jobs = bench.cycle_prefix_jobs(random.Random(4), num_prefixes=5, prefix_len=30, rounds=3,
+                                   question_len=6, output_len=4)
+    assert len(jobs) == 15
+    firsts = [j.system for j in jobs[:5]]
+    assert len(set(firsts)) == 5 and all(len(s.split()) == 30 for s in firsts)
+    assert [j.system for j in jobs] == firsts * 3
+    assert [j.group for j in jobs] == list(range(5)) * 3
+    assert len({j.questions[0] for j in jobs}) == 15 and all(j.output_lens == [4] for j in jobs)
+    args = bench.parse_args(["--workload", "cycle-prefixes", "--num-prefixes", "5", "--prefix-len", "30",
+                             "--cycle-rounds", "3", "--question-len", "6", "--output-len", "4", "--seed", "4"])
+    assert [j.system for j in bench.build_jobs(args)] == firsts * 3
+
+
 def test_each_multi_turn_request_resends_the_whole_conversation_so_far():
     """Turn k must carry user 1, the server's reply 1, ..., user k, in order, with the replies
     the server actually gave; a generator that sent only the last question would fail here."""
@@ -208,7 +225,11 @@ class _StubSSE(BaseHTTPRequestHandler):
 
     def do_GET(self):  # /metrics, keyed as a server started with --api-key keys it
         ok = self.path == "/metrics" and self.headers.get("Authorization") == "Bearer sesame"
-        payload = b"# TYPE ferroxmp_generation_tokens counter\nferroxmp_generation_tokens_total 42.0\n" if ok else b"{}"
+        payload = (b"# TYPE ferroxmp_generation_tokens counter\nferroxmp_generation_tokens_total 42.0\n"
+                   b"# TYPE ferroxmp_kv_tier_hit_tokens counter\n"
+                   b'ferroxmp_kv_tier_hit_tokens_total{tier="disk"} 7.0\n'
+                   b"# TYPE ferroxmp_kv_tier_bytes gauge\n"
+                   b'ferroxmp_kv_tier_bytes{tier="disk"} 9.0\n') if ok else b"{}"
         self.send_response(200 if ok else 401)
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
@@ -273,7 +294,9 @@ def test_the_bench_tools_send_the_servers_key_with_every_request_and_metrics_rea
     client = sys.modules["bench_client"]
     assert client.scrape_counters(stub_url) == {}
     bench.parse_args(["--api-key", "sesame"])
-    assert client.scrape_counters(stub_url) == {"ferroxmp_generation_tokens_total": 42.0}
+    # Labelled counters (the per-tier hits) keep their labels; labelled gauges stay out.
+    assert client.scrape_counters(stub_url) == {"ferroxmp_generation_tokens_total": 42.0,
+                                                'ferroxmp_kv_tier_hit_tokens_total{tier="disk"}': 7.0}
 
 
 def test_http_errors_and_error_events_fail_the_request(stub_url):

@@ -157,8 +157,8 @@ def run_job(job: Job, endpoint: str, make_body, send) -> list[RequestResult]:
 
 
 def scrape_counters(base_url: str, timeout: float = 5.0) -> dict[str, float]:
-    """The unlabelled `ferroxmp_*` counters of GET /metrics (gauges such as kv_pages_total
-    left out); {} for a server without them."""
+    """The `ferroxmp_*` counters of GET /metrics, labelled ones keyed with their labels
+    (gauges such as kv_pages_total left out); {} for a server without them."""
     url = urlsplit(base_url.rstrip("/"))
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
     try:
@@ -173,10 +173,12 @@ def scrape_counters(base_url: str, timeout: float = 5.0) -> dict[str, float]:
     counters = {line.split()[2] for line in lines if line.startswith("# TYPE ") and line.endswith(" counter")}
     out = {}
     for line in lines:
-        name, _, value = line.partition(" ")  # labelled samples ("name{...} v") never match below
+        # A labelled sample keeps its labels in the key: 'name_total{tier="disk"}'.
+        sample, _, value = line.rpartition(" ")
+        name = sample.partition("{")[0]
         if name.startswith("ferroxmp_") and (name in counters or  # TYPE names it with or without _total
                                              name.endswith("_total") and name[:-len("_total")] in counters):
-            out[name] = float(value)
+            out[sample] = float(value)
     return out
 
 

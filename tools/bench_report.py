@@ -60,6 +60,7 @@ ROWS = [("completed", "completed", "{:.0f}"), ("failed", "failed", "{:.0f}"),
         ("total_throughput", "total tokens/s", "{:.2f}"),
         ("worker_busy_share", "worker busy / wall (/metrics)", "{:.3f}"),
         ("server_cache_hit_rate", "cached / prompt tokens (/metrics)", "{:.3f}")]
+ROWS += [(f"server_tier_hit_rate.{t}", f"  of which from {t} (/metrics)", "{:.3f}") for t in ("pool", "host", "disk")]
 ROWS += [(f"cpu_s.{p}", f"CPU s, {p}", "{:.1f}") for p in ("worker", "scheduler", "frontend", "client")]
 ROWS += [(f"{m}_ms.{s}", f"{m.upper()} {s} (ms)", "{:.2f}")
          for m in ("ttft", "tpot", "itl", "e2e") for s in ("mean", "median", "p99")]

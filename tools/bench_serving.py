@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its modules, a
 from bench_client import (API_KEY_ENV, RequestResult, Target, counter_deltas, discover_model, process_cpu,  # noqa: E402
                           run_job, settled_sum, stream_request)
 from bench_report import ROWS, format_table, lookup, percentile, ratio, stats_ms, summarize  # noqa: E402,F401
-from bench_workloads import Job, multi_turn_jobs, poisson_arrivals, random_jobs, shared_prefix_jobs  # noqa: E402
+from bench_workloads import (Job, cycle_prefix_jobs, multi_turn_jobs, poisson_arrivals, random_jobs,  # noqa: E402
+                             shared_prefix_jobs)
 
 
 class Progress:
@@ -123,6 +124,9 @@ def build_jobs(args, seed: int | None = None) -> list[Job]:
     if args.workload == "shared-prefix":
         return shared_prefix_jobs(rng, args.num_groups, args.prompts_per_group,
                                   args.system_prompt_len, args.question_len, args.output_len)
+    if args.workload == "cycle-prefixes":  # in order: run_round submits jobs as listed
+        return cycle_prefix_jobs(rng, args.num_prefixes, args.prefix_len, args.cycle_rounds,
+                                 args.question_len, args.output_len)
     if args.workload == "multi-turn":
         return multi_turn_jobs(rng, args.num_conversations, args.num_turns,
                                args.input_len, args.output_len, args.range_ratio)
@@ -144,7 +148,7 @@ def parse_args(argv=None):
     p.add_argument("--compare-model")
     p.add_argument("--compare-dialect", choices=("openai", "transformers"), default="openai")
     p.add_argument("--compare-extra-body", type=json.loads, default={})
-    p.add_argument("--workload", choices=("random", "shared-prefix", "multi-turn"), default="random")
+    p.add_argument("--workload", choices=("random", "shared-prefix", "multi-turn", "cycle-prefixes"), default="random")
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
@@ -153,6 +157,9 @@ def parse_args(argv=None):
     p.add_argument("--prompts-per-group", type=int, default=5)
     p.add_argument("--system-prompt-len", type=int, default=256)
     p.add_argument("--question-len", type=int, default=32)
+    p.add_argument("--num-prefixes", type=int, default=8, help="cycle-prefixes: distinct system prompts")
+    p.add_argument("--prefix-len", type=int, default=2048, help="cycle-prefixes: words per system prompt")
+    p.add_argument("--cycle-rounds", type=int, default=3, help="cycle-prefixes: uses of each prefix, in order")
     p.add_argument("--num-conversations", type=int, default=4)
     p.add_argument("--num-turns", type=int, default=3)
     p.add_argument("--max-concurrency", type=int, default=None, help="jobs in flight (default: no limit)")
@@ -228,6 +235,10 @@ def main(argv=None) -> int:
         summaries[name]["worker_busy_share"] = busy / durations[name] if busy is not None else None
         summaries[name]["server_cache_hit_rate"] = ratio(counters.get("ferroxmp_cached_prompt_tokens_total"),
                                                          counters.get("ferroxmp_prompt_tokens_total"))
+        # Per tier (--kv-host-gb, --kv-cache-dir): which share of the prompt each tier served.
+        summaries[name]["server_tier_hit_rate"] = {
+            tier: ratio(counters.get(f'ferroxmp_kv_tier_hit_tokens_total{{tier="{tier}"}}'),
+                        counters.get("ferroxmp_prompt_tokens_total")) for tier in ("pool", "host", "disk")}
         summaries[name]["cpu_s"] = cpu[name]
     for t in targets:
         print(f"{t.name}: {t.base_url}  model={t.model}  dialect={t.dialect}")

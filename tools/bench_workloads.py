@@ -74,3 +74,14 @@ def poisson_arrivals(rng: random.Random, count: int, rate: float) -> list[float]
         out.append(t)
         t += rng.expovariate(rate)
     return out
+
+
+def cycle_prefix_jobs(rng: random.Random, num_prefixes: int, prefix_len: int, rounds: int,
+                      question_len: int, output_len: int) -> list[Job]:
+    """`num_prefixes` distinct long system prompts, each used once per round, every round in
+    the same order (0, 1, ..., N-1, 0, 1, ...). With N * prefix_len tokens beyond the KV pool,
+    an LRU pool has evicted each prefix before it comes round again: the worst case for a
+    pool-only cache, the one KV tiers exist for. Questions differ, so only the prefix repeats."""
+    systems = [random_text(rng, prefix_len) for _ in range(num_prefixes)]
+    return [Job([random_text(rng, question_len)], [output_len], systems[p], p)
+            for _ in range(rounds) for p in range(num_prefixes)]
