@@ -408,3 +408,24 @@ def test_a_shared_prefix_run_shows_cache_hits_on_the_servers_counters(ferroxmp_s
     requests_ = report["requests"]["A"]
     assert sum(1 for r in requests_ if r["cached_tokens"] * 2 < r["prompt_tokens"]) == 2  # a group's first
     assert summary["ttft_cold_ms"]["mean"] is not None and summary["ttft_warm_ms"]["mean"] is not None
+
+
+@pytest.mark.timeout(90)
+def test_the_restart_tool_finds_the_prompt_on_disk_after_a_restart(tiny_models, tmp_path, monkeypatch):
+    """tools/bench_kv_restart.py end to end on the tiny llama: cold finds nothing, warm finds
+    the pool, and the request after the SIGTERM restart must adopt the prompt's whole pages
+    (its usage's cached_tokens and the disk-tier hit counter): with a disk tier that saved or
+    loaded nothing, both would be 0."""
+    monkeypatch.setenv("FERROXMP_CACHE", str(tmp_path / "cache"))
+    spec = importlib.util.spec_from_file_location("bench_kv_restart", _PATH.parent / "bench_kv_restart.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "restart.json"
+    assert tool.main(["--prompt-tokens", "200", "--ready-timeout", "60", "--timeout", "60", "--json", str(out),
+                      "--", "--model", tiny_models["llama"], "--kv-cache-dir", str(tmp_path / "kv")]) == 0
+    r = json.loads(out.read_text())
+    assert r["cold"]["prompt_tokens"] == 200 and r["cold"]["cached_tokens"] == 0
+    assert r["warm"]["cached_tokens"] > 0
+    assert r["after_restart"]["cached_tokens"] > 0
+    assert r["server"]["disk_hit_tokens"] == r["after_restart"]["cached_tokens"]
+    assert r["page_files"] > 0 and r["plain_read_first"]["bytes"] == r["page_file_bytes"]
