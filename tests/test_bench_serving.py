@@ -428,4 +428,5 @@ def test_the_restart_tool_finds_the_prompt_on_disk_after_a_restart(tiny_models, 
     assert r["warm"]["cached_tokens"] > 0
     assert r["after_restart"]["cached_tokens"] > 0
     assert r["server"]["disk_hit_tokens"] == r["after_restart"]["cached_tokens"]
+    assert r["server"]["kv_load_seconds_count"] >= 1 and r["server"]["kv_loaded_bytes_total"] > 0
     assert r["page_files"] > 0 and r["plain_read_first"]["bytes"] == r["page_file_bytes"]
