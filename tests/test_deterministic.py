@@ -12,7 +12,6 @@ Two levels:
 """
 from __future__ import annotations
 
-import functools
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,18 +20,14 @@ import pytest
 import requests
 import torch
 
-import engine as engine_mod
 from engine import LocalEngine
 from serverproc import serving
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]  # the seed twin's prompt
 
 
-def warm_and_cold(model: str, chunk: int, deterministic: bool, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
-    monkeypatch.setattr(engine_mod, "ModelRunner",
-                        functools.partial(engine_mod.ModelRunner, deterministic=deterministic))
-    eng = LocalEngine(model, num_pages=64, page_size=4, max_batch_tokens=chunk)
-    monkeypatch.undo()
+def warm_and_cold(model: str, chunk: int, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    eng = LocalEngine(model, num_pages=64, page_size=4, max_batch_tokens=chunk, deterministic=deterministic)
     try:
         cold_rid = eng.submit(PROMPT, 1)
         eng.run_to_idle()
@@ -45,18 +40,18 @@ def warm_and_cold(model: str, chunk: int, deterministic: bool, monkeypatch) -> t
         eng.close()
 
 
-def test_warm_equals_cold_bitwise_for_every_chunk_split_in_deterministic_mode(tiny_models, monkeypatch):
+def test_warm_equals_cold_bitwise_for_every_chunk_split_in_deterministic_mode(tiny_models):
     """The seed twin allowed float tolerance when the warm and cold last chunks differ in
     shape (chunk 3: a 2-token vs a 1-token chunk). Deterministic mode owes bit-identical
     logits for every split 1..8 — warm vs cold, and across splits. The same loop in
     default mode must find some split whose bits differ, or this test proves nothing."""
     model = tiny_models["llama"]
-    det = {c: warm_and_cold(model, c, True, monkeypatch) for c in range(1, 9)}
+    det = {c: warm_and_cold(model, c, True) for c in range(1, 9)}
     first = det[8][0]
     for c, (cold, warm) in det.items():
         assert torch.equal(warm, cold), f"chunk {c}: a prefix-cache hit changed the logits"
         assert torch.equal(cold, first), f"chunk {c}: the chunk split changed the logits"
-    default = [warm_and_cold(model, c, False, monkeypatch) for c in range(1, 9)]
+    default = [warm_and_cold(model, c, False) for c in range(1, 9)]
     assert any(not torch.equal(x, default[-1][0]) for pair in default for x in pair), \
         "default mode gave identical bits for every split: this test could not fail"
 

@@ -15,13 +15,11 @@ the batch-of-one run), through the real scheduler core and the real model runner
 """
 from __future__ import annotations
 
-import functools
 import random
 
 import pytest
 import torch
 
-import engine as engine_mod
 from engine import LocalEngine
 from ferroxmp.scheduler.request import State
 
@@ -130,7 +128,7 @@ def _target_logits(eng: LocalEngine, target: list[int], others: list[list[int]])
     return eng.sample_logits[rid]
 
 
-def test_deterministic_mode_gives_the_same_bits_at_every_batch_size_from_1_to_64(tiny_models, monkeypatch):
+def test_deterministic_mode_gives_the_same_bits_at_every_batch_size_from_1_to_64(tiny_models):
     """One prompt decoded in batches of exactly 1..64 rows (every other row another
     prompt, all admitted in one step): its logits must be bit-identical at every size
     under --deterministic. Default mode must differ at some size, or the comparison
@@ -140,10 +138,8 @@ def test_deterministic_mode_gives_the_same_bits_at_every_batch_size_from_1_to_64
     pool = _prompts(63, seed=13, lo=2, hi=5)  # short: the batch's row count is what varies
 
     def run(deterministic: bool, sizes) -> dict[int, list[torch.Tensor]]:
-        monkeypatch.setattr(engine_mod, "ModelRunner",
-                            functools.partial(engine_mod.ModelRunner, deterministic=deterministic))
-        eng = LocalEngine(model, num_pages=64 * 4, page_size=4, max_rows=64, max_batch_tokens=512, radix=False)
-        monkeypatch.undo()
+        eng = LocalEngine(model, num_pages=64 * 4, page_size=4, max_rows=64, max_batch_tokens=512, radix=False,
+                          deterministic=deterministic)
         try:
             out = {}
             for b in sizes:
