@@ -101,7 +101,10 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.rows) < ROWS)
     @rule(salt=SALTS, ids=TOKENS, reserve=st.integers(0, 2))
     def admit(self, salt, ids, reserve):
-        req = self._request(salt, ids)
+        self._admit(self._request(salt, ids), reserve)
+
+    def _admit(self, req: Request, reserve: int) -> None:
+        salt, ids = req.salt, req.tokens.tolist()
         want = self.cache.match(req)
         handle = self.cache.admit(req, reserve)
         self._sync_after_evict()
