@@ -162,6 +162,8 @@ class LocalEngine:
         return self.outputs[rid]
 
     def close(self) -> None:
+        if self.tiers is not None:
+            self.tiers.close()  # the disk writer finishes before the test's directory goes
         self.pool.close()
         self.pool.unlink()
 

@@ -19,13 +19,21 @@ BLOCK = 4
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
-@pytest.fixture
-def engine_factory(tiny_models):
+# The contract holds whatever sits below the pool (issue 28): each twin runs with the
+# pool alone, with a host-memory tier, and with a disk tier under it.
+TIERS = {"pool": {}, "host tier": {"kv_host_bytes": 1 << 20}, "disk tier": {"kv_dir": True}}
+
+
+@pytest.fixture(params=list(TIERS))
+def engine_factory(tiny_models, request, tmp_path):
     made: list[LocalEngine] = []
+    tiers = dict(TIERS[request.param])
+    if tiers.get("kv_dir"):
+        tiers["kv_dir"] = str(tmp_path / "kv")
 
     def make(num_pages: int = 64, chunk: int = 1, **kw) -> LocalEngine:
         eng = LocalEngine(tiny_models["llama"], num_pages=num_pages, page_size=BLOCK,
-                          max_batch_tokens=chunk, **kw)
+                          max_batch_tokens=chunk, **tiers, **kw)
         made.append(eng)
         return eng
 

@@ -227,9 +227,6 @@ def run(args) -> dict:
     try:
         warmup(url, model, ids, salt, args.timeout)
         out["after_restart"] = first_token(url, model, ids, salt, args.timeout)
-        # The worker's load figures reach /metrics only with its next store report (a
-        # ferroxmp quirk): a short prompt under a new salt writes a page or two and carries them.
-        first_token(url, model, ids[:64], "nudge-" + salt, args.timeout)
         m = wait_load_stats(url)
     finally:
         server.stop()

@@ -246,8 +246,10 @@ class KVTiers:
                 self.stats.loaded_bytes += ok * self.page_bytes
                 self.stats.load_failures += len(failed)
             send(KVLoaded(msg.load_id, ok, tiers, dt))
-            if failed:  # in no tier any more, as far as the scheduler should know
-                send(self._with_stats(KVTierReport(dropped=failed * 2, dropped_tiers="h" * len(failed) + "d" * len(failed))))
+            # The stats go with a report after every load, so /metrics shows the load now
+            # rather than with the next store; a failed key is in no tier any more, as far
+            # as the scheduler should know.
+            send(self._with_stats(KVTierReport(dropped=failed * 2, dropped_tiers="h" * len(failed) + "d" * len(failed))))
             self.loads.task_done()
 
     def close(self, timeout: float = 4.0) -> None:  # within the supervisor's 5 s teardown
@@ -263,8 +265,6 @@ class KVTiers:
         deadline = time.time() + timeout
         while (self.writes.unfinished_tasks or self.loads.unfinished_tasks) and time.time() < deadline:
             time.sleep(0.005)
-
-
 
 
 def open_tiers(sa, runner, model_path: str, make_sender: Callable[[], Sender]) -> Optional[KVTiers]:
