@@ -15,7 +15,9 @@ tier holds (`KVTierReport`), which is the only way the scheduler's index changes
 - `load` (a KVLoad) runs on the loader thread: each page from the host tier or its
   file (checked: `kv_disk.py`) into its pool page — pages the scheduler allocated for
   the load and no batch reads — then one KVLoaded with how many leading pages made it.
-  On CUDA the copies run on a side stream.
+  The pages of a load are read by LOAD_THREADS threads at once: one page at a time
+  left the disk idle while a page was checked and copied (0.3x a plain sequential read
+  of the same files, measured). On CUDA the copies run on side streams.
 
 Threads send on their own sockets (`make_sender()` is called in the thread), since a
 zmq socket is not thread-safe.
@@ -30,6 +32,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 import torch
@@ -42,6 +45,7 @@ from .kv_pool import KVPool
 log = logging.getLogger("ferroxmp.kv_tiers")
 
 WRITE_QUEUE_PAGES = 1024  # pages waiting for the disk writer before saves are dropped
+LOAD_THREADS = 4  # pages of one load read at once (file reads, checksums and copies drop the GIL)
 Sender = Callable[[object], None]
 
 
@@ -67,6 +71,8 @@ class KVTiers:
         self.loads: queue.Queue = queue.Queue()
         self.make_sender = make_sender
         self._threads = []
+        self._local = threading.local()  # each load thread's page buffer and CUDA stream
+        self._readers = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-load")
         if disk is not None:
             self._start(self._writer, "kv-writer")
         self._start(self._loader, "kv-loader")
@@ -214,43 +220,47 @@ class KVTiers:
 
     def _loader(self) -> None:
         send = self.make_sender()
-        stream = torch.cuda.Stream(self.kv.device) if self.pin else None
-        buf = self._buffer()
         while True:
             msg: KVLoad = self.loads.get()
             t0 = time.perf_counter()
-            ok, tiers, failed = 0, "", []
-            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-            with ctx:
-                for page, key in zip(unpack_ids(msg.pages).tolist(), msg.keys):
-                    with self.lock:
-                        src = self.host.get(key)
-                        if src is not None:
-                            self.host.move_to_end(key)
-                    if src is not None:
-                        self._copy_in(page, src)
-                        tiers += "h"
-                    elif self.disk is not None and self.disk.read_into(key, memoryview(buf.numpy()).cast("B")):
-                        self._copy_in(page, buf)
-                        tiers += "d"
-                    else:
-                        failed.append(key)
-                        break
-                    ok += 1
-                    if stream is not None:
-                        stream.synchronize()  # buf is reused for the next page
+            got = list(self._readers.map(self._load_page, unpack_ids(msg.pages).tolist(), msg.keys))
+            ok = got.index("") if "" in got else len(got)  # the leading pages that made it
+            failed = [key for key, tier in zip(msg.keys, got) if not tier]
             dt = time.perf_counter() - t0
             with self.lock:
                 _bucket(self.stats.load_counts, dt)
                 self.stats.load_seconds += dt
                 self.stats.loaded_bytes += ok * self.page_bytes
                 self.stats.load_failures += len(failed)
-            send(KVLoaded(msg.load_id, ok, tiers, dt))
+            send(KVLoaded(msg.load_id, ok, "".join(got[:ok]), dt))
             # The stats go with a report after every load, so /metrics shows the load now
             # rather than with the next store; a failed key is in no tier any more, as far
             # as the scheduler should know.
             send(self._with_stats(KVTierReport(dropped=failed * 2, dropped_tiers="h" * len(failed) + "d" * len(failed))))
             self.loads.task_done()
+
+    def _load_page(self, page: int, key: bytes) -> str:
+        """One page into pool page `page` (on a load thread): "h" or "d" for the tier it
+        came from, "" when no tier has it (a bad file is deleted by read_into)."""
+        local = self._local
+        if not hasattr(local, "buf"):
+            local.buf = self._buffer()
+            local.stream = torch.cuda.Stream(self.kv.device) if self.pin else None
+        with self.lock:
+            src = self.host.get(key)
+            if src is not None:
+                self.host.move_to_end(key)
+        tier = ""
+        with torch.cuda.stream(local.stream) if local.stream is not None else contextlib.nullcontext():
+            if src is not None:
+                self._copy_in(page, src)
+                tier = "h"
+            elif self.disk is not None and self.disk.read_into(key, memoryview(local.buf.numpy()).cast("B")):
+                self._copy_in(page, local.buf)
+                tier = "d"
+            if tier and local.stream is not None:
+                local.stream.synchronize()  # the buffer is reused for this thread's next page
+        return tier
 
     def close(self, timeout: float = 4.0) -> None:  # within the supervisor's 5 s teardown
         """At shutdown: give the disk writer up to `timeout` to finish what is queued, so
