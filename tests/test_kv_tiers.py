@@ -108,6 +108,39 @@ def test_a_restarted_engine_starts_warm_from_the_disk_tier(make_engine, tmp_path
     assert tier_hits(second)[1] == 40, "every whole page below the last token comes from disk"
 
 
+def test_loads_slower_than_recompute_are_skipped_but_probed_and_answers_stay_cold_equal(make_engine, tmp_path):
+    """A slow disk must not make a request wait longer than recomputing would: once the
+    measured load rate is below the prefill rate, prompts found on disk are recomputed
+    (the same tokens as cold, no disk hits), except one load in PROBE_EVERY, which still
+    runs, so a disk that recovers is noticed. With no rates measured, loads run."""
+    from ferroxmp.scheduler import tier_moves
+    ps = prompts(tier_moves.PROBE_EVERY, 41, seed=5)
+    first = make_engine(kv_dir=str(tmp_path / "kv"), num_pages=128)
+    want = [run(first, p)[0] for p in ps]
+    first.tiers.drain()
+    eng = make_engine(kv_dir=str(tmp_path / "kv"), num_pages=128)
+    moves = eng.core.cache.moves
+    eng.core.step_budget.observe(64, 0.01)  # prefill: 6,400 tokens/s
+    moves.load_tokens_per_s = 100.0  # the disk: 100 tokens/s
+    got, hits = [], []
+    for p in ps:
+        before = tier_hits(eng)[1]
+        got.append(run(eng, p)[0])
+        hits.append(tier_hits(eng)[1] - before)
+    assert got == want, "skipped loads must recompute to the cold answer"
+    assert hits == [0] * (len(ps) - 1) + [40], f"recomputed until the probe load: {hits}"
+    assert moves.load_tokens_per_s > 100.0, "the probe's measured rate must update the estimate"
+
+
+def test_a_load_waits_about_as_long_as_recomputing_would_take():
+    from ferroxmp.scheduler.tier_moves import LOAD_TIMEOUT_S, MIN_WAIT_S, WAIT_OVER_RECOMPUTE, TierMoves
+    wait = TierMoves(cache=None, index=None)._wait_s
+    assert wait(1000, 0.0) == LOAD_TIMEOUT_S  # no rate measured yet
+    assert wait(1000, 1e6) == MIN_WAIT_S
+    assert wait(1000, 1000.0) == pytest.approx(min(LOAD_TIMEOUT_S, WAIT_OVER_RECOMPUTE))
+    assert wait(10**6, 1000.0) == LOAD_TIMEOUT_S
+
+
 def test_a_corrupted_page_file_is_dropped_and_its_part_recomputed(make_engine, tmp_path):
     prompt = prompts(1, 41, seed=4)[0]
     first = make_engine(kv_dir=str(tmp_path / "kv"))

@@ -18,6 +18,8 @@ and each hook is one `is None` check per batch.
 - grammar_compile_sleep=S: compiling a grammar whose spec holds the text
   FERROXMP_SLOW_COMPILE (e.g. in a schema's description) first sleeps S seconds on
   its compile thread (a slow compile: other rows must keep stepping meanwhile).
+- kv_disk_sleep=S: every page file the KV disk tier reads or writes first sleeps S
+  seconds (a slow disk: loads and stores must never slow the batch loop).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ class Faults:
     forward_busy_per_token: float = 0.0
     sample_raise_seed: Optional[int] = None
     grammar_compile_sleep: float = 0.0
+    kv_disk_sleep: float = 0.0
 
     @classmethod
     def parse(cls, spec: str) -> "Faults":
@@ -66,6 +69,8 @@ class Faults:
                 kw["sample_raise_seed"] = int(value)
             elif key == "grammar_compile_sleep":
                 kw["grammar_compile_sleep"] = float(value)
+            elif key == "kv_disk_sleep":
+                kw["kv_disk_sleep"] = float(value)
             else:
                 raise ValueError(f"{ENV}: unknown fault {key!r}")
         return cls(**kw)
@@ -87,6 +92,10 @@ class Faults:
         if self.grammar_compile_sleep > 0 and SLOW_COMPILE in spec:
             log.warning("fault injection: grammar compile sleeps %.1fs", self.grammar_compile_sleep)
             time.sleep(self.grammar_compile_sleep)
+
+    def before_disk_io(self) -> None:
+        if self.kv_disk_sleep > 0:
+            time.sleep(self.kv_disk_sleep)
 
     def before_sample(self, seeds: Sequence[int]) -> None:
         if self.sample_raise_seed is not None and self.sample_raise_seed in seeds:

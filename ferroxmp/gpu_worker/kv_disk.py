@@ -89,6 +89,7 @@ class DiskTier:
         _private_dir(self.dir)
         self.limit_bytes = limit_bytes
         self.payload_bytes = payload_bytes
+        self.faults = None  # test-only fault injection (faults.py): a slow disk
         self.file_bytes = HEADER.size + payload_bytes
         self.index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, least recently used first
         self.lock = threading.Lock()
@@ -130,6 +131,8 @@ class DiskTier:
     def write(self, key: bytes, payload: memoryview) -> list[bytes]:
         """Store one page; returns the keys deleted to stay under the bound. Raises
         OSError (a full or failing disk): the caller drops the page."""
+        if self.faults is not None:
+            self.faults.before_disk_io()
         with self.lock:
             if key in self.index:
                 self.index.move_to_end(key)
@@ -162,6 +165,8 @@ class DiskTier:
     def read_into(self, key: bytes, out: memoryview) -> bool:
         """Fill `out` (payload_bytes) with the page of `key`; False, with the file
         deleted, when it is missing, torn or altered."""
+        if self.faults is not None:
+            self.faults.before_disk_io()
         path = self._path(key)
         why = None
         try:

@@ -122,6 +122,8 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
         tiers = open_tiers(sa, runner, model_path, _sender(ctx, ends["worker_results"]))
         if tiers is not None:
             info["kv_tiers"] = tiers.describe()
+            if tiers.disk is not None:
+                tiers.disk.faults = runner.faults
         supervisor.send(protocol.encode(protocol.Ready(name="worker", pid=os.getpid(), info=info)))
         if tiers is not None:  # the index rebuilt from disk; queued until the scheduler binds
             results.send(protocol.encode(tiers.initial_report()))

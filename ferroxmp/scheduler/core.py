@@ -201,7 +201,7 @@ class SchedulerCore:
         for req in self.waiting:
             if len(moves.loads) >= MAX_LOADS:
                 break
-            moves.start_load(req, reserve, now)
+            moves.start_load(req, reserve, now, self.step_budget.tokens_per_s)
 
     def kv_loaded(self, msg: KVLoaded) -> None:
         done = self.cache.moves.finish(msg) if self.cache.moves is not None else None

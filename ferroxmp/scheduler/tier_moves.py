@@ -9,7 +9,11 @@ tree; this object is its part that speaks to the tiers):
 - `start_load`: for a waiting request whose prompt continues below the pool, allocate
   pool pages, lock the pool-matched prefix and send a `KVLoad`; the request is not
   admitted until `finish` (the KVLoaded) puts what arrived into the tree — or until
-  the load is overdue (`overdue`), then it is admitted and recomputes that part;
+  the load is overdue (`overdue`), then it is admitted and recomputes that part. A
+  load may wait about as long as recomputing its tokens would take (WAIT_OVER_RECOMPUTE
+  times the step's measured token rate, within [MIN_WAIT_S, LOAD_TIMEOUT_S]); when the
+  loads' measured token rate is below the recompute rate (a slow disk), loads are not
+  started at all, but one in PROBE_EVERY still is, so a disk that recovers is seen;
 - `flush` (POST /cache/flush).
 
 A load's pages have one ref, the load's own, until `finish` hands them to the tree
@@ -26,6 +30,10 @@ from ferroxmp.protocol import KVFlush, KVLoad, KVLoaded, KVSave, pack_ids
 from ferroxmp.scheduler.tier_index import DISK, HOST, TierIndex, chain_keys
 
 LOAD_TIMEOUT_S = 5.0  # a load not back by then: the request is admitted and recomputes
+MIN_WAIT_S = 0.25  # never give up on a load sooner (the recompute estimate is rough)
+WAIT_OVER_RECOMPUTE = 2.0  # a load may take this many times the estimated recompute time
+PROBE_EVERY = 8  # while loads are slower than recompute: one load in this many still runs
+ALPHA = 0.3  # weight of the newest load in the measured load rate
 
 
 @dataclass(eq=False)
@@ -39,6 +47,7 @@ class Load:
     pages: list[int]  # pool pages being filled (one ref each: the load's)
     keys: list[bytes]
     started: float
+    deadline: float  # when the request stops waiting for it
     overdue: bool = False
 
 
@@ -51,6 +60,8 @@ class TierMoves:
     ops: list = field(default_factory=list)  # KVSave / KVLoad / KVFlush to send, in order
     saving: bool = True
     loading_pages: int = 0
+    load_tokens_per_s: float = 0.0  # measured from the KVLoaded answers (EWMA)
+    skipped: int = 0  # loads not started because the tiers were slower than recompute
     _next_id: int = 0
 
     # -- saves ---------------------------------------------------------------------
@@ -82,9 +93,11 @@ class TierMoves:
 
     # -- loads ---------------------------------------------------------------------
 
-    def start_load(self, req, reserve: int, now: float) -> bool:
+    def start_load(self, req, reserve: int, now: float, recompute_tps: float = 0.0) -> bool:
         """Start loading the part of `req`'s prompt that continues its pool match below
-        the pool, if any and if the request would fit once loaded. True if started."""
+        the pool, if any, if the request would fit once loaded and if loading is not
+        slower than recomputing (`recompute_tps`: prefill tokens per second, 0 unknown).
+        True if started."""
         cache, idx = self.cache, self.index
         n = req.known_len
         if (req.kv_load is not None or not idx.where or n < 2 or req.params.prompt_logprobs is not None
@@ -102,7 +115,7 @@ class TierMoves:
         k = 0
         while base + k < limit and keys[base + k] in idx.where:
             k += 1
-        if k == 0:
+        if k == 0 or self._slower_than_recompute(recompute_tps):
             return False
         if cache.available_pages - cache.pages_needed(req) < reserve:
             req.kv_probe = None  # no room now: try again next step
@@ -119,13 +132,24 @@ class TierMoves:
             req.kv_probe = None
             return False
         load = Load(self._next_id, req.rid, req.salt, np.array(req.tokens[:(base + k) * ps]), node,
-                    base_pages, pages, keys[base:base + k], now)
+                    base_pages, pages, keys[base:base + k], now, now + self._wait_s(k * ps, recompute_tps))
         self._next_id += 1
         self.loads[load.load_id] = load
         self.loading_pages += len(pages)
         req.kv_load = load.load_id
         self.ops.append(KVLoad(load.load_id, pack_ids(pages), load.keys))
         return True
+
+    def _slower_than_recompute(self, recompute_tps: float) -> bool:
+        if not (self.load_tokens_per_s and recompute_tps) or self.load_tokens_per_s >= recompute_tps:
+            return False
+        self.skipped += 1
+        return self.skipped % PROBE_EVERY != 0
+
+    def _wait_s(self, tokens: int, recompute_tps: float) -> float:
+        if not recompute_tps:
+            return LOAD_TIMEOUT_S
+        return min(LOAD_TIMEOUT_S, max(MIN_WAIT_S, WAIT_OVER_RECOMPUTE * tokens / recompute_tps))
 
     def finish(self, msg: KVLoaded) -> Optional[tuple[str, int, int]]:
         """Put the pages that arrived into the tree; release the load's refs and lock.
@@ -135,6 +159,10 @@ class TierMoves:
             return None
         cache, ps = self.cache, self.cache.page_size
         ok = max(0, min(msg.ok, len(load.pages)))
+        if ok and msg.seconds > 0:
+            rate = ok * ps / msg.seconds
+            self.load_tokens_per_s = rate if not self.load_tokens_per_s else (
+                self.load_tokens_per_s + ALPHA * (rate - self.load_tokens_per_s))
         nb = len(load.base)
         if ok:
             pages = load.base + load.pages[:ok]
@@ -149,11 +177,11 @@ class TierMoves:
         return load.rid, tiers.count("h") * ps, tiers.count("d") * ps
 
     def overdue(self, now: float) -> list[str]:
-        """Requests whose load is past LOAD_TIMEOUT_S: they stop waiting for it (their
+        """Requests whose load is past its deadline: they stop waiting for it (their
         load's pages stay reserved until it reports)."""
         late = []
         for load in self.loads.values():
-            if not load.overdue and now - load.started > LOAD_TIMEOUT_S:
+            if not load.overdue and now > load.deadline:
                 load.overdue = True
                 late.append(load.rid)
         return late
