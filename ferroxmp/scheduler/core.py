@@ -208,11 +208,11 @@ class SchedulerCore:
         if done is None:
             return
         rid, host, disk = done
-        self.totals.kv_hit_tokens_host += host
-        self.totals.kv_hit_tokens_disk += disk
         req = self.requests.get(rid)
-        if req is not None and req.kv_load == msg.load_id:
+        if req is not None and req.kv_load == msg.load_id:  # it waited for them: its hits
             req.kv_load = None
+            self.totals.kv_hit_tokens_host += host
+            self.totals.kv_hit_tokens_disk += disk
 
     def kv_report(self, msg: KVTierReport) -> None:
         self.tiers.apply(msg)

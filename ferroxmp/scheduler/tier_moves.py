@@ -13,7 +13,8 @@ tree; this object is its part that speaks to the tiers):
   load may wait about as long as recomputing its tokens would take (WAIT_OVER_RECOMPUTE
   times the step's measured token rate, within [MIN_WAIT_S, LOAD_TIMEOUT_S]); when the
   loads' measured token rate is below the recompute rate (a slow disk), loads are not
-  started at all, but one in PROBE_EVERY still is, so a disk that recovers is seen;
+  started at all, except one in PROBE_EVERY, a probe that nobody waits for (overdue at
+  once), so a disk that recovers is seen without costing any request a wait;
 - `flush` (POST /cache/flush).
 
 A load's pages have one ref, the load's own, until `finish` hands them to the tree
@@ -31,7 +32,7 @@ from ferroxmp.scheduler.tier_index import DISK, HOST, TierIndex, chain_keys
 
 LOAD_TIMEOUT_S = 5.0  # a load not back by then: the request is admitted and recomputes
 MIN_WAIT_S = 0.25  # never give up on a load sooner (the recompute estimate is rough)
-WAIT_OVER_RECOMPUTE = 2.0  # a load may take this many times the estimated recompute time
+WAIT_OVER_RECOMPUTE = 1.0  # a load may take this many times the estimated recompute time
 PROBE_EVERY = 8  # while loads are slower than recompute: one load in this many still runs
 ALPHA = 0.3  # weight of the newest load in the measured load rate
 
@@ -115,7 +116,8 @@ class TierMoves:
         k = 0
         while base + k < limit and keys[base + k] in idx.where:
             k += 1
-        if k == 0 or self._slower_than_recompute(recompute_tps):
+        probe = k > 0 and self._slower_than_recompute(recompute_tps)
+        if k == 0 or (probe and self.skipped % PROBE_EVERY != 0):
             return False
         if cache.available_pages - cache.pages_needed(req) < reserve:
             req.kv_probe = None  # no room now: try again next step
@@ -132,11 +134,12 @@ class TierMoves:
             req.kv_probe = None
             return False
         load = Load(self._next_id, req.rid, req.salt, np.array(req.tokens[:(base + k) * ps]), node,
-                    base_pages, pages, keys[base:base + k], now, now + self._wait_s(k * ps, recompute_tps))
+                    base_pages, pages, keys[base:base + k], now,
+                    now if probe else now + self._wait_s(k * ps, recompute_tps))
         self._next_id += 1
         self.loads[load.load_id] = load
         self.loading_pages += len(pages)
-        req.kv_load = load.load_id
+        req.kv_load = None if probe else load.load_id  # a probe's request does not wait for it
         self.ops.append(KVLoad(load.load_id, pack_ids(pages), load.keys))
         return True
 
@@ -144,7 +147,7 @@ class TierMoves:
         if not (self.load_tokens_per_s and recompute_tps) or self.load_tokens_per_s >= recompute_tps:
             return False
         self.skipped += 1
-        return self.skipped % PROBE_EVERY != 0
+        return True
 
     def _wait_s(self, tokens: int, recompute_tps: float) -> float:
         if not recompute_tps:
