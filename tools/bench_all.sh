@@ -2,7 +2,7 @@
 # Reproduces every figure of docs/BENCHMARKS.md on the smol-135m shape.
 #
 #   tools/bench_all.sh [SECTION...]     sections: worker peer peer-alone threads radix ttft overlap
-#                                       burst radix-micro quant
+#                                       burst radix-micro quant tiers kv-restart
 #                                       (default: worker peer radix ttft overlap radix-micro)
 # Env: MODEL (default /tmp/smol, built with tools/make_tiny_model.py if missing),
 #      OUT (default bench-results/), MAX_BUSY (default 0.3 cores), PEER_THREADS (default 2);
@@ -228,6 +228,40 @@ section_quant() {  # issue 30: one server at a time on the same GGUF, per --quan
     measure quant_llama_16 "${W[@]}" --no-server-metrics --num-prompts 32 --max-concurrency 16 --out "$OUT/quant_llama_16.json"
     echo "quant llama-server: resident $(rss_mb "${PIDS[-1]}") MiB" | tee "$OUT/quant_llama_memory.txt"
     stop_all
+}
+
+section_tiers() {  # issue 28: 9 prefixes of ~1k tokens cycled through a 136-page pool (4.2x too small)
+    # A (no tiers) beside B (one tier variant), alternating rounds, one variant at a time;
+    # "slow disk" sleeps 0.2 s per page file (fault injection), "full disk" is a 2 MiB tmpfs.
+    local gguf=${GGUF:-$("$PY" -c "from ferroxmp.checkpoint.default_model import default_model_path as p; print(p())")}
+    local W=(--workload cycle-prefixes --num-prefixes 9 --prefix-len 1024 --question-len 32
+             --output-len 16 --cycle-rounds 3 --max-concurrency 1 --seed 40)
+    local variant dir flags fault
+    for variant in host disk slow-disk full-disk; do
+        dir="$OUT/kv-$variant"; fault=""
+        rm -rf "$dir"; mkdir -p "$dir"
+        case $variant in
+            host) flags=(--kv-host-gb 2) ;;
+            disk) flags=(--kv-cache-dir "$dir") ;;
+            slow-disk) flags=(--kv-cache-dir "$dir"); fault="kv_disk_sleep=0.2" ;;
+            full-disk) mount -t tmpfs -o size=2m tmpfs "$dir"; flags=(--kv-cache-dir "$dir") ;;
+        esac
+        MODEL=$gguf start_ferroxmp tiers_none "$A_PORT" --kv-pages 136
+        FERROXMP_FAULT_INJECT=$fault MODEL=$gguf start_ferroxmp "tiers_$variant" "$B_PORT" --kv-pages 136 "${flags[@]}"
+        measure "tiers_$variant" "${BENCH[@]}" "${W[@]}" --out "$OUT/tiers_$variant.json"
+        stop_all
+        [ "$variant" != full-disk ] || umount "$dir"
+    done
+}
+
+section_kv-restart() {  # issue 28: one 8k-token prompt cold, warm, and after SIGTERM + restart
+    local gguf=${GGUF:-$("$PY" -c "from ferroxmp.checkpoint.default_model import default_model_path as p; print(p())")}
+    local keep
+    for keep in "" --keep-page-cache; do
+        rm -rf "$OUT/kv-restart"
+        measure "kv_restart${keep:+_keep}" "$PY" tools/bench_kv_restart.py --prompt-tokens 8000 $keep \
+            --json "$OUT/kv_restart${keep:+_keep}.json" -- --model "$gguf" --kv-cache-dir "$OUT/kv-restart"
+    done
 }
 
 SECTIONS=("$@")

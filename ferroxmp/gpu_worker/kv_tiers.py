@@ -45,6 +45,7 @@ from .kv_pool import KVPool
 log = logging.getLogger("ferroxmp.kv_tiers")
 
 WRITE_QUEUE_PAGES = 1024  # pages waiting for the disk writer before saves are dropped
+WARN_EVERY_S = 30.0  # at most one "page not written" log line per this many seconds
 LOAD_THREADS = 4  # pages of one load read at once (file reads, checksums and copies drop the GIL)
 Sender = Callable[[object], None]
 
@@ -71,6 +72,7 @@ class KVTiers:
         self.loads: queue.Queue = queue.Queue()
         self.make_sender = make_sender
         self._threads = []
+        self._warned_at = -WARN_EVERY_S
         self._local = threading.local()  # each load thread's page buffer and CUDA stream
         self._readers = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-load")
         if disk is not None:
@@ -205,7 +207,7 @@ class KVTiers:
                 except OSError as e:
                     with self.lock:
                         self.stats.stores_dropped += 1
-                    log.warning("kv disk tier: page not written (%s); it will be recomputed if needed", e)
+                    self._warn_dropped(e)
                     gone = None
                 if gone is not None:
                     dt = time.perf_counter() - t0
@@ -217,6 +219,16 @@ class KVTiers:
                     report.dropped, report.dropped_tiers = gone, "d" * len(gone)
             send(self._with_stats(report))
             self.writes.task_done()
+
+    def _warn_dropped(self, error: OSError) -> None:
+        """One log line per WARN_EVERY_S at most: a full disk fails every write, and a
+        line per page would flood the log (the count is in the metrics)."""
+        now = time.monotonic()
+        if now - self._warned_at >= WARN_EVERY_S:
+            log.warning("kv disk tier: page not written (%s); %d pages dropped so far "
+                        "(ferroxmp_kv_store_dropped_total); they are recomputed if needed",
+                        error, self.stats.stores_dropped)
+            self._warned_at = now
 
     def _loader(self) -> None:
         send = self.make_sender()
