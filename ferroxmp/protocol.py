@@ -258,9 +258,7 @@ class KVLoaded(msgspec.Struct, tag=True):
 
 
 class KVTierStats(msgspec.Struct, omit_defaults=True):
-    host_pages: int = 0
     host_bytes: int = 0
-    disk_pages: int = 0
     disk_bytes: int = 0
     store_queue: int = 0  # pages waiting for the disk writer
     stores_dropped: int = 0  # a full queue or a failed write: never a blocked step

@@ -36,7 +36,6 @@ class Detokenizer:
     ids: list[int] = field(default_factory=list)
     prefix: int = 0  # start of the window whose text was already emitted
     read: int = 0  # end of that window: ids[read:] are not yet emitted
-    emitted_chars: int = 0
 
     @classmethod
     def with_context(cls, decode: Callable[[list[int]], str], context: Sequence[int]) -> "Detokenizer":
@@ -66,7 +65,6 @@ class Detokenizer:
         # the best guess of the new text; byte-level and byte-fallback never differ.
         text = after[len(before):]
         self.prefix, self.read = self.read, len(self.ids)
-        self.emitted_chars += len(text)
         return text
 
     def check_integrity(self) -> None:

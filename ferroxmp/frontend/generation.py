@@ -60,7 +60,6 @@ class Delta:
 class Choice:
     index: int
     rid: str
-    prompt_ids: list[int]
     detok: Detokenizer
     stop: StopMatcher
     n_tokens: int = 0
@@ -103,7 +102,7 @@ class Generation:
                 i = p * self.n + j
                 rid = f"{self.request_id}-{i}"
                 detok = Detokenizer.with_context(self.decode or _no_text, ids[-CONTEXT_TOKENS:])
-                self.choices.append(Choice(i, rid, ids, detok,
+                self.choices.append(Choice(i, rid, detok,
                                            StopMatcher(list(self.stops)), prompt_tokens=len(ids)))
                 sp = params if params.seed is None or j == 0 else _with_seed(params, params.seed + j)
                 reqs.append(GenerateReq(rid=rid, input_ids=pack_ids(ids), params=sp, arrival=self.arrival,

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 OPEN, CLOSE = "<think>", "</think>"
-PARSERS = ("qwen3", "deepseek-r1")
 
 
 def _held(text: str, tag: str) -> int:

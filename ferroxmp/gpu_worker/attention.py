@@ -18,7 +18,7 @@ from .attn_base import AttentionBackend, PlanError, StepPlan, plan_step, referen
 def make_backend(kv, window: Optional[int], device: torch.device, name: str = "auto",
                  num_heads: Optional[int] = None) -> AttentionBackend:
     """auto: FlashInfer on CUDA when installed, else our Triton kernels on CUDA; torch on CPU.
-    `kv` must have been created with the backend's `kv_layout`."""
+    `kv` must have been created with `backend_layout(device, name)`."""
     if name == "auto":
         name = "torch" if device.type != "cuda" else ("flashinfer" if _has("flashinfer") else "triton")
     if name == "torch":

@@ -35,11 +35,6 @@ class PlanError(ValueError):
     """A step names a page that is missing (-1) or out of range, or runs past the table."""
 
 
-def first_visible(start: int, window: Optional[int]) -> int:
-    """Lowest key position a query at `start` (and so any later one) can see."""
-    return 0 if window is None else max(0, start - window + 1)
-
-
 @dataclass
 class StepPlan:
     """One step's rows in internal order (decode rows first), as host arrays."""

@@ -60,7 +60,6 @@ class _Decode:
 
 class TorchBackend(AttentionBackend):
     name = "torch"
-    kv_layout = "hnd"
 
     def __init__(self, kv, window: Optional[int], num_heads: Optional[int] = None):
         if kv.layout != "hnd":

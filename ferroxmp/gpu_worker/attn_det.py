@@ -56,7 +56,6 @@ class _Group:
 
 class DeterministicBackend(AttentionBackend):
     name = "det"
-    kv_layout = "hnd"
 
     def __init__(self, kv, window: Optional[int], num_heads: Optional[int] = None,
                  tile_tokens: Optional[int] = None):

@@ -32,7 +32,6 @@ WORKSPACE_BYTES = 128 << 20  # FlashInfer's documented default for its split-k s
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
-    kv_layout = "nhd"
 
     def __init__(self, kv, window: Optional[int], num_heads: Optional[int] = None):
         import flashinfer  # import-guarded: only constructed on CUDA with flashinfer installed

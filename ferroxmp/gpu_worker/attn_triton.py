@@ -165,7 +165,6 @@ def _pow2(n: int, floor: int = 16) -> int:
 
 class TritonBackend(AttentionBackend):
     name = "triton"
-    kv_layout = "nhd"
     BLOCK_M = 16
 
     def __init__(self, kv, window: Optional[int], num_heads: Optional[int] = None):

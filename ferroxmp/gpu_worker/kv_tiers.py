@@ -180,10 +180,8 @@ class KVTiers:
     def _with_stats(self, report: KVTierReport) -> KVTierReport:
         with self.lock:
             s = self.stats
-            s.host_pages = len(self.host)
             s.host_bytes = len(self.host) * self.page_bytes
             if self.disk is not None:
-                s.disk_pages = len(self.disk.index)
                 s.disk_bytes = self.disk.used_bytes
             s.store_queue = self.writes.qsize()
             report.stats = KVTierStats(**{f: (list(getattr(s, f)) if isinstance(getattr(s, f), list)

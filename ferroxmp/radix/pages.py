@@ -60,7 +60,6 @@ class PagePool:
     num_pages: int
     max_rows: int
     max_pages_per_row: int
-    owner: bool
     refs: np.ndarray = field(init=False, repr=False)
     page_table: np.ndarray = field(init=False, repr=False)
     row_lens: np.ndarray = field(init=False, repr=False)
@@ -88,7 +87,7 @@ class PagePool:
         header = np.ndarray((_HEADER,), np.int32, shm.buf, 0)
         header[:] = (num_pages, max_rows, max_pages_per_row, _MAGIC)
         del header
-        pool = cls(shm, num_pages, max_rows, max_pages_per_row, owner=True)
+        pool = cls(shm, num_pages, max_rows, max_pages_per_row)
         pool.refs[:] = 0
         pool.page_table[:] = -1
         pool.row_lens[:] = 0
@@ -106,7 +105,7 @@ class PagePool:
         if magic != _MAGIC:
             shm.close()
             raise PageError(f"shared memory {name!r} is not a ferroxmp page pool")
-        pool = cls(shm, num_pages, max_rows, mppr, owner=False)
+        pool = cls(shm, num_pages, max_rows, mppr)
         if writer:
             pool._free = [p for p in range(num_pages - 1, -1, -1) if pool.refs[p] == 0]
         return pool

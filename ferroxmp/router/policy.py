@@ -26,7 +26,6 @@ POLICIES = ("cache-aware", "round-robin", "least-loaded")
 @dataclass(frozen=True)
 class Decision:
     backend: Any
-    matched_blocks: int = 0
     affinity: bool = False  # chosen because its tree held the prefix
 
 
@@ -77,8 +76,8 @@ class CacheAware:
         best = max(candidates, key=lambda b: (matched[id(b)], -b.load, -b.routed))
         n = matched[id(best)]
         if n == 0 or n < self.cache_threshold * len(block_ids) or self.overloaded(best.load, least.load):
-            return Decision(least, matched[id(least)])
-        return Decision(best, n, affinity=True)
+            return Decision(least)
+        return Decision(best, affinity=True)
 
 
 def make_policy(name: str, balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.5,

@@ -41,10 +41,6 @@ class Plan:
     admitted: list[tuple[Request, CacheHandle]] = field(default_factory=list)
     retract: list[Request] = field(default_factory=list)
 
-    @property
-    def empty(self) -> bool:
-        return not self.decode and not self.steps and not self.retract
-
 
 _ARRIVAL = attrgetter("arrival")
 
@@ -108,7 +104,7 @@ def _plan_decode(plan: Plan, live: list[Request], cache: CacheManager, budget: i
         if state is prefilling_state:
             prefilling.append(req)
         elif (state is decoding_state and budget > 0
-              and req.sampled_scheduled + req.sampled_before < req.params.max_tokens):  # not done_sampling
+              and req.sampled_scheduled + req.sampled_before < req.params.max_tokens):  # sampling steps left
             if req.scheduled >= len(req.cache.pages) * ps:  # at a page boundary
                 if bulk:
                     grow.append(req.cache)

@@ -86,10 +86,6 @@ class Request:
     def known_len(self) -> int:
         return len(self.prompt) + len(self.output)
 
-    @property
-    def done_sampling(self) -> bool:
-        return self.sampled_scheduled + self.sampled_before >= self.params.max_tokens
-
     # -- transitions ----------------------------------------------------------------
 
     def admit(self, handle: Any, adopted: int, now: float) -> None:
