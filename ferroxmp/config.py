@@ -59,6 +59,12 @@ class ServerArgs:
     admin_api_key: Optional[str] = _f(None, "Key for admin routes (POST /cache/flush); without it they take the "
                                       "ordinary --api-key (and are open on a server without keys).")
     disable_overlap: bool = _f(False, "Run one batch at a time instead of building N+1 while N computes.")
+    speculative_ngram: bool = _f(False, "Speculative decoding by prompt lookup: a greedy row's next tokens are "
+                                 "drafted by copying what followed the latest earlier occurrence of its last "
+                                 "tokens (prompt or output) and verified in one step; the output is the same "
+                                 "as without it. Pays off when outputs copy their input (rewrites, code edits, "
+                                 "RAG). One batch in flight (as --disable-overlap).")
+    num_speculative_tokens: int = _f(4, "Most tokens drafted per row and step with --speculative-ngram.")
     disable_cuda_graph: bool = _f(False, "On CUDA, run decode steps eagerly instead of replaying CUDA graphs "
                                   "captured per padded batch size (CPU never uses graphs).")
     swa_release_interval: int = _f(32, "Steps between releases of pages outside every sliding window.")
@@ -161,6 +167,10 @@ class ServerArgs:
             bad("kv_cache_dir" if self.kv_cache_dir else "kv_host_gb", "KV tiers are not implemented with --tp > 1 yet")
         if (self.kv_host_gb > 0 or self.kv_cache_dir) and self.disable_radix_cache:
             bad("kv_cache_dir" if self.kv_cache_dir else "kv_host_gb", "KV tiers need the radix cache")
+        if self.speculative_ngram and not 1 <= self.num_speculative_tokens <= 16:
+            bad("num_speculative_tokens", "must be between 1 and 16")
+        if self.speculative_ngram and self.tp > 1:
+            bad("speculative_ngram", "is not implemented with --tp > 1 yet")
         if self.deterministic and self.tp > 1:  # the follower ranks (tp_step.py) build the default kernels
             bad("deterministic", "is not implemented with --tp > 1 yet; use --tp 1")
         if self.nnodes == 1 and self.dist_init_addr is not None:

@@ -153,6 +153,8 @@ class Stats(msgspec.Struct, omit_defaults=True):
     kv_hit_tokens_host: int = 0
     kv_hit_tokens_disk: int = 0
     kv_tiers: Optional[KVTierStats] = None
+    spec_draft_tokens: int = 0  # --speculative-ngram: tokens drafted and verified
+    spec_accepted_tokens: int = 0  # ...and accepted (emitted without a step of their own)
 
 
 GRAMMAR_COMPILE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -189,6 +191,9 @@ class ForwardBatch(msgspec.Struct, tag=True):
     batch_id: int
     new_rows: list[NewRow]
     steps: list[RowStep]
+    # --speculative-ngram: row -> most draft tokens its decode step may verify (the
+    # scheduler holds pages for that many positions past the step).
+    spec: dict[int, int] = {}
 
 
 class BatchResult(msgspec.Struct, tag=True):
@@ -207,6 +212,11 @@ class BatchResult(msgspec.Struct, tag=True):
     # row -> pooled final-norm hidden state (float32 little-endian bytes), for embedding
     # rows (params.pooling) that sampled in this batch, i.e. finished their prompt.
     embeddings: dict[int, bytes] = {}
+    # --speculative-ngram: row -> the accepted draft tokens (int32), which follow the
+    # row's sampled token in `tokens`; and how many tokens were drafted and accepted.
+    spec_tokens: dict[int, bytes] = {}
+    spec_drafted: int = 0
+    spec_accepted: int = 0
 
 
 class PrepareGrammar(msgspec.Struct, tag=True):

@@ -25,7 +25,7 @@ class LocalEngine:
     def __init__(self, model: str, num_pages: int = 64, page_size: int = 4, max_batch_tokens: int = 64,
                  max_rows: int = 8, overlap: bool = False, radix: bool = True, max_model_len: int = 1024,
                  swa_release_interval: int = 32, kv_host_bytes: int = 0, kv_dir: Optional[str] = None,
-                 deterministic: bool = False):
+                 deterministic: bool = False, spec_tokens: int = 0):
         self.pool = PagePool.create(num_pages, max_rows, -(-max_model_len // page_size))
         self.runner = ModelRunner(model, self.pool, page_size, keep_logits=True, deterministic=deterministic)
         cfg = self.runner.config
@@ -33,7 +33,7 @@ class LocalEngine:
             page_size=page_size, max_batch_tokens=max_batch_tokens, max_model_len=max_model_len,
             vocab_size=cfg.vocab_size, eos_token_ids=tuple(cfg.eos_token_ids), radix=radix,
             sliding_window=cfg.sliding_window, swa_release_interval=swa_release_interval,
-            kv_host=kv_host_bytes > 0, kv_disk=kv_dir is not None))
+            kv_host=kv_host_bytes > 0, kv_disk=kv_dir is not None, spec_tokens=spec_tokens))
         # The worker's KV tiers in this process: their threads report into `tier_msgs`,
         # which `build` hands to the core as the scheduler process would.
         self.tiers, self.tier_msgs = None, []

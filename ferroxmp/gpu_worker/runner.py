@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -29,6 +29,7 @@ from ..protocol import (BatchResult, ForwardBatch, NewRow, ProtocolError, RowSte
                         unpack_ids)
 from ..radix.pages import PagePool
 from .attention import PlanError, backend_layout, make_backend
+from .ngram import Backoff, propose
 from .isolation import fail_batch, skip_failed
 from .kv_pool import KVPool
 from .loader import ModelConfig, load_config, load_weights, resolve_device
@@ -55,6 +56,7 @@ class RowState:
     grammar: Optional["RowGrammar"] = None  # its matcher, when the request asked for structured output
     pooled: Optional[Pooled] = None  # an embedding row's pooling so far (pooling.py)
     grammar_on: bool = True  # false while a reasoning row thinks (params.grammar_after not yet generated)
+    backoff: Backoff = field(default_factory=Backoff)  # --speculative-ngram: when to stop drafting (ngram.py)
 
 
 def _end_of(generated: list[int], mark: list[int]) -> "Optional[int]":
@@ -254,7 +256,8 @@ class ModelRunner:
             if not batch.steps:
                 self.rows.update(staged)
                 return BatchResult(batch_id=batch.batch_id, compute_s=time.perf_counter() - t0)
-            triples = [(s.row, s.start, s.length) for s in batch.steps]
+            drafts = self._drafts(batch, staged) if batch.spec else {}
+            triples = [(s.row, s.start, s.length + len(drafts.get(s.row, ()))) for s in batch.steps]
             # Copy only the stepped rows' entries (a snapshot: the scheduler may write other
             # rows meanwhile); the rest is never read (np.zeros: calloc'd, not copied).
             stepped = sorted({s.row for s in batch.steps})
@@ -265,7 +268,7 @@ class ModelRunner:
             log.warning("batch %d refused: %s", batch.batch_id, e)
             return BatchResult(batch_id=batch.batch_id, error=str(e))
         try:
-            result = self._run(batch, staged, plan, t0)
+            result = self._run(batch, staged, plan, t0, drafts)
         except Exception as e:  # a bug or OOM must not kill the worker: only this batch's rows fail
             if self.tp is not None:
                 raise  # ...unless other ranks may be inside a collective this one left: fatal
@@ -276,12 +279,36 @@ class ModelRunner:
         result.row_errors.update(skipped)
         return result
 
-    def _run(self, batch: ForwardBatch, staged: dict[int, RowState], plan, t0: float) -> BatchResult:
+    def _drafts(self, batch: ForwardBatch, staged: dict[int, RowState]) -> dict[int, list[int]]:
+        """--speculative-ngram: row -> the tokens to verify after its sampled one, for the
+        greedy unconstrained sampling rows the scheduler gave a draft budget (pages)."""
+        out = {}
+        limit = self.config.max_position_embeddings
+        for s in batch.steps:
+            k = batch.spec.get(s.row, 0)
+            st = staged.get(s.row) or self.rows.get(s.row)
+            if k <= 0 or not s.sample or st is None:
+                continue
+            p = st.params
+            if (not p.greedy or p.constrained or p.has_penalties or p.logprobs is not None
+                    or p.prompt_logprobs is not None or st.pooled is not None):
+                continue
+            k = min(k, limit - (s.start + s.length))
+            if k > 0 and st.backoff.wants_draft():
+                draft = propose(st.tokens, k)
+                if draft:
+                    out[s.row] = draft
+        return out
+
+    def _run(self, batch: ForwardBatch, staged: dict[int, RowState], plan, t0: float,
+             drafts: dict[int, list[int]]) -> BatchResult:
         state = {**self.rows, **staged}
         ids: list[int] = []
         for i in plan.order:
             s = batch.steps[i]
             ids.extend(state[s.row].tokens[s.start:s.start + s.length])
+            if drafts:
+                ids.extend(drafts.get(s.row, ()))
         if self.faults is not None:
             self.faults.before_forward(ids)
         ids_np = np.array(ids, dtype=np.int64)
@@ -300,7 +327,9 @@ class ModelRunner:
                 self.rows.update(staged)
                 return BatchResult(batch_id=batch.batch_id, compute_s=time.perf_counter() - t0,
                                    prompt_logprobs=prompt_lps)  # no embedding: none ended its prompt
-            index = torch.tensor([plan.last_index[i] for i in sampling], device=self.device)
+            # A row with a draft samples at its last known token, before the draft's positions.
+            index = torch.tensor([plan.last_index[i] - len(drafts.get(batch.steps[i].row, ())) for i in sampling],
+                                 device=self.device)
             logits = self._logits_at(hidden, index)
             rows = [batch.steps[i].row for i in sampling]
             want = [state[r] for r in rows]
@@ -308,6 +337,7 @@ class ModelRunner:
             lp_rows = [j for j, st in enumerate(want) if st.params.logprobs is not None and j not in bad]
             lps = logprobs_of(logits[lp_rows], chosen[lp_rows],
                               [want[j].params.logprobs for j in lp_rows]) if lp_rows else []
+            spec = self._verify(drafts, hidden, index, rows, chosen, bad, state) if drafts else {}
         self._logits = logits if self.keep_logits else None
         self.rows.update(staged)
         row_errors = {rows[j]: why for j, why in bad.items()}
@@ -316,6 +346,7 @@ class ModelRunner:
         for r, tok in ok:
             st = self.rows[r]
             st.tokens.append(tok)
+            st.tokens.extend(spec.get(r, ()))
             if st.grammar is not None:
                 if st.grammar_on:
                     st.grammar.advance(tok)
@@ -324,6 +355,9 @@ class ModelRunner:
                     st.grammar_on = st.tokens[-len(mark):] == mark and len(st.tokens) - st.prompt_len >= len(mark)
         return BatchResult(batch_id=batch.batch_id, rows=pack_ids([r for r, _ in ok]),
                            tokens=pack_ids([t for _, t in ok]),
+                           spec_tokens={r: pack_ids(x) for r, x in spec.items() if x},
+                           spec_drafted=sum(len(d) for r, d in drafts.items() if r in spec),
+                           spec_accepted=sum(len(x) for x in spec.values()),
                            logprobs={rows[j]: lp for j, lp in zip(lp_rows, lps)},
                            compute_s=time.perf_counter() - t0, row_errors=row_errors,
                            prompt_logprobs=prompt_lps,
@@ -367,6 +401,31 @@ class ModelRunner:
             pooled.add(states, s.start)
             if s.sample:
                 out[s.row] = pooled.vector(states[-1])
+        return out
+
+    def _verify(self, drafts, hidden, index, rows, chosen, bad, state) -> dict[int, list[int]]:
+        """Greedy verification of the drafts: the model's argmax at each draft position
+        (the same argmax the row would take in a step of its own); a draft token is
+        accepted while it equals the argmax before it, and the argmax after the last
+        accepted one is emitted too. Returns row -> the tokens emitted after `chosen`."""
+        spans, where = [], []
+        for j, r in enumerate(rows):
+            d = drafts.get(r)
+            if d and j not in bad:
+                first = int(index[j])
+                where.append((j, r, d, len(spans)))
+                spans.extend(range(first + 1, first + 1 + len(d)))
+        if not where:
+            return {}
+        after = self._logits_at(hidden, torch.tensor(spans, device=self.device)).argmax(dim=-1).tolist()
+        out = {}
+        for j, r, d, at in where:
+            said = [int(chosen[j])] + after[at:at + len(d)]  # the model's token after each input
+            a = 0
+            while a < len(d) and said[a] == d[a]:
+                a += 1
+            out[r] = said[1:a + 1]
+            state[r].backoff.verified(len(d), a)
         return out
 
     def _logits_at(self, hidden: torch.Tensor, index) -> torch.Tensor:

@@ -26,7 +26,7 @@ from ferroxmp.protocol import (BatchResult, ForwardBatch, GenerateReq, GrammarRe
                                RowOut, RowStep, Stats, unpack_ids)
 from ferroxmp.radix.pages import PagePool
 from ferroxmp.scheduler.batch import plan_batch
-from ferroxmp.scheduler.cache import CacheManager
+from ferroxmp.scheduler.cache import CacheManager, pages_for
 from ferroxmp.scheduler.grammar_wait import GrammarWait
 from ferroxmp.scheduler.inflight import InFlight
 from ferroxmp.scheduler.outputs import Outbox
@@ -184,7 +184,8 @@ class SchedulerCore:
             steps.append(step)
         if chunks:
             self.cache.set_lengths([s.row for _, s in chunks], [s.start + s.length for _, s in chunks])
-        batch = ForwardBatch(self.next_batch_id, new_rows, steps)
+        spec = self._draft_budget(plan.decode, starts) if self.cfg.spec_tokens and rows else {}
+        batch = ForwardBatch(self.next_batch_id, new_rows, steps, spec)
         self.inflight[batch.batch_id] = InFlight(plan.decode, rows, starts, chunks)
         self.next_batch_id += 1
         self.totals.steps += 1
@@ -192,6 +193,27 @@ class SchedulerCore:
             for req in self.live.values():
                 self.cache.release_window(req, self.cfg.sliding_window)
         return batch
+
+    def _draft_budget(self, decode: list[Request], starts: list[int]) -> dict[int, int]:
+        """--speculative-ngram: how many draft tokens each decode row may have verified
+        this step (row -> k), with pages held for them. Only rows whose sampling is a
+        plain argmax (the draft is checked against it); never past max_tokens; and
+        drafting takes only free pages: it never evicts a cached prefix or retracts a row."""
+        out, ps = {}, self.cfg.page_size
+        for req, start in zip(decode, starts):
+            p = req.params
+            if (not p.greedy or p.constrained or p.has_penalties or p.logprobs is not None
+                    or p.prompt_logprobs is not None or p.pooling):
+                continue
+            k = min(self.cfg.spec_tokens, p.max_tokens - len(req.output) - 1)
+            have = len(req.cache.pages) * ps
+            if k > 0 and start + 1 + k > have and not (
+                    pages_for(start + 1 + k, ps) - len(req.cache.pages) <= self.pool.free_count
+                    and self.cache.allocate(req.cache, start + 1 + k)):
+                k = have - start - 1
+            if k > 0:
+                out[req.cache.row] = k
+        return out
 
     def _start_loads(self, now: float) -> None:
         """Waiting requests whose prompt continues below the pool start loading it; they
@@ -255,6 +277,8 @@ class SchedulerCore:
             log.error("result for unknown batch %d dropped", res.batch_id)
             return
         self.totals.worker_busy_seconds += res.compute_s
+        self.totals.spec_draft_tokens += res.spec_drafted
+        self.totals.spec_accepted_tokens += res.spec_accepted
         if res.error is None:  # the step's size and time teach the budget this machine's speed
             self.step_budget.observe(batch.tokens, res.compute_s)
         if res.error:
@@ -265,7 +289,7 @@ class SchedulerCore:
         if tokens is None:  # row by row: errors, or rows out of step order
             n, ended = apply_steps(res, list(batch), self.cache, news)
         else:
-            n, ended = apply_decode(batch, tokens, res.logprobs, news)
+            n, ended = apply_decode(batch, tokens, res.logprobs, news, res.spec_tokens)
             if batch.chunks:
                 n2, ended2 = apply_steps(res, batch.chunks, self.cache, news)
                 n, ended = n + n2, ended + ended2

@@ -24,8 +24,9 @@ log = logging.getLogger("ferroxmp.scheduler")
 
 
 def apply_decode(batch: InFlight, tokens: list[int], logprobs: dict,
-                 news: dict[str, Request]) -> tuple[int, list[Request]]:
-    """`news` is the outbox's rid -> request map (noted without a call per row)."""
+                 news: dict[str, Request], spec: dict[int, bytes] = {}) -> tuple[int, list[Request]]:
+    """`news` is the outbox's rid -> request map (noted without a call per row); `spec`
+    the accepted draft tokens by row (--speculative-ngram)."""
     finished = State.FINISHED
     ended = []
     n = 0
@@ -41,6 +42,8 @@ def apply_decode(batch: InFlight, tokens: list[int], logprobs: dict,
             req.computed = start + 1
         _append(req, token, logprobs.get(row) if logprobs else None)
         n += 1
+        if spec and row in spec:
+            n += _accept_drafts(req, start, spec[row])
         news[req.rid] = req
         if req.inflight == 0 and (req.state is finished or req.retracting):
             ended.append(req)
@@ -80,6 +83,8 @@ def apply_steps(res: BatchResult, steps: list[tuple[Request, RowStep]], cache: C
                 req.embedding = vec  # travels with the RowOut that ends it (max_tokens 1)
             _append(req, token, logprobs.get(step.row) if logprobs else None)
             n += 1
+            if res.spec_tokens and step.row in res.spec_tokens:
+                n += _accept_drafts(req, step.start, res.spec_tokens[step.row])
             news[req.rid] = req
     ended = [req for req, _ in steps
              if req.inflight == 0 and (req.state is State.FINISHED or req.retracting)]
@@ -93,6 +98,23 @@ def _add_prompt_logprobs(req: Request, first: int, lps: list) -> None:
     if 0 <= skip < len(lps):
         req.pending_prompt_logprobs.extend(lps[skip:])
         req.prompt_logprobs_next = first + len(lps)
+
+
+def _accept_drafts(req: Request, start: int, packed: bytes) -> int:
+    """The draft tokens the worker accepted after the row's sampled one (decode step at
+    `start`): appended in order, up to a stop or max_tokens, and the row moved past
+    them: their positions' KV is computed. Safe only because no batch is planned behind
+    a speculative one (scheduler.py: one batch in flight). Returns tokens appended."""
+    extra = unpack_ids(packed).tolist()
+    n = 0
+    for token in extra:
+        if req.state is State.FINISHED:
+            break
+        _append(req, token, None)
+        n += 1
+    req.computed = req.scheduled = start + 1 + len(extra)
+    req.sampled_scheduled += len(extra)
+    return n
 
 
 def _append(req: Request, token: int, logprobs) -> None:

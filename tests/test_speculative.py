@@ -1,0 +1,118 @@
+"""--speculative-ngram (issue 29): prompt-lookup drafts verified in one step.
+
+The oracle is the same engine without speculation: greedy output must be identical —
+through the prefix cache, chunked prefill, stop tokens, max_tokens, a grammar row beside
+speculating rows, and bit for bit in --deterministic. Some draft must be accepted in
+each comparison, or it proved nothing. Then a real server with the flag against one
+without, and its counters in /metrics.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import requests
+
+from engine import LocalEngine
+from ferroxmp.gpu_worker.ngram import MAX_SKIP, Backoff, propose
+from ferroxmp.protocol import Grammar
+from serverproc import serving
+
+
+def test_propose_continues_the_latest_longest_match():
+    assert propose([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]  # the latest of two matches
+    assert propose([5, 6, 4, 1, 2, 7, 7, 6, 2, 1, 2], 3) == [7, 7, 6]  # 2-gram "1 2" (no 3-gram matches)
+    assert propose([4, 1, 2, 3], 4) == []  # nothing earlier matches its last 2 tokens
+    assert propose([1, 2, 3, 1, 2], 8) == [3, 1, 2]  # up to k, running into the tail itself
+    assert propose([1, 2], 4) == []
+
+
+def test_backoff_skips_more_steps_after_each_rejected_draft_and_resets_on_an_accept():
+    b = Backoff()
+    skipped = []
+    for _ in range(6):
+        assert b.wants_draft()
+        b.verified(4, 0)
+        n = 0
+        while not b.wants_draft():
+            n += 1
+        skipped.append(n)
+        b.skip = 0
+    assert skipped == [1, 3, 7, 15, MAX_SKIP, MAX_SKIP]
+    b.verified(4, 2)
+    b.verified(4, 0)
+    assert b.skip == 1, "an accepted token resets the back-off"
+
+
+def _prompts(model_out: list[int], rng) -> list[list[int]]:
+    """Prompts that invite copying: a text and its continuation repeated, the same text
+    twice, and an unrelated short one."""
+    base = rng.integers(5, 300, 24).tolist()
+    return [base + model_out + base, base * 2, rng.integers(5, 300, 13).tolist(), base[:5] * 6]
+
+
+def _run(model: str, spec: int, deterministic: bool, chunk: int, stops=()) -> tuple[list, tuple]:
+    eng = LocalEngine(model, num_pages=256, page_size=4, max_batch_tokens=chunk, max_rows=8,
+                      deterministic=deterministic, spec_tokens=spec)
+    try:
+        rng = np.random.default_rng(3)
+        first = eng.generate(rng.integers(5, 300, 24).tolist(), 12)
+        prompts = _prompts(first, np.random.default_rng(3))
+        outs = [eng.generate(p, 40, stop_token_ids=list(stops)) for p in prompts]
+        outs.append(eng.generate(prompts[0], 40))  # again: its prefix is cached now
+        # Batched: every prompt at once, one of them under a grammar (never speculates).
+        rids = [eng.submit(p, 30, stop_token_ids=list(stops)) for p in prompts]
+        rids.append(eng.submit(prompts[1], 12, grammar=Grammar("regex", "[a-z ]{1,40}")))
+        eng.run_until(lambda: all(r in eng.finish for r in rids))
+        outs += [eng.outputs[r] for r in rids]
+        outs.append([eng.finish[r] for r in rids])
+        s = eng.core.stats()
+        return outs, (s.spec_draft_tokens, s.spec_accepted_tokens)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default"])
+@pytest.mark.parametrize("chunk", [64, 5], ids=["whole-prefill", "chunked-prefill"])
+def test_greedy_output_is_identical_with_and_without_speculation(tiny_model, deterministic, chunk):
+    plain, (drafted0, _) = _run(tiny_model, 0, deterministic, chunk)
+    spec, (drafted, accepted) = _run(tiny_model, 4, deterministic, chunk)
+    assert drafted0 == 0
+    assert spec == plain
+    assert accepted > 0, f"no draft was accepted ({drafted} drafted): the comparison proved nothing"
+
+
+def test_stop_tokens_end_a_speculative_row_where_they_end_a_plain_one(tiny_model):
+    plain, _ = _run(tiny_model, 0, True, 64)
+    stops = {t for out in plain[:4] for t in out[5:8]}  # tokens the outputs do produce
+    plain, _ = _run(tiny_model, 0, True, 64, stops)
+    spec, (_, accepted) = _run(tiny_model, 4, True, 64, stops)
+    assert spec == plain
+    assert any(r == "stop" for r in plain[-1]), "some batched row must end on a stop token"
+    assert accepted > 0
+
+
+def _complete(srv, prompt: str) -> str:
+    r = requests.post(srv.url + "/v1/completions", headers=srv.headers, timeout=120,
+                      json={"prompt": prompt, "max_tokens": 48, "temperature": 0})
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"]
+
+
+def _metric(srv, name: str) -> float:
+    text = requests.get(srv.url + "/metrics", headers=srv.headers, timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_a_server_with_speculation_answers_as_one_without_and_counts_its_drafts(tiny_model):
+    text = "the cat sat on the mat and the dog sat on the log; " * 3
+    prompts = [text + "the cat", "def f(x):\n    return x + 1\n\ndef f(x):\n", "hello there"]
+    with serving(tiny_model) as plain:
+        want = [_complete(plain, p) for p in prompts]
+    with serving(tiny_model, "--speculative-ngram", "--num-speculative-tokens", "3") as srv:
+        got = [_complete(srv, p) for p in prompts]
+        import time
+        time.sleep(1.1)  # counters ride the scheduler's heartbeat
+        drafted = _metric(srv, "ferroxmp_spec_draft_tokens_total")
+        accepted = _metric(srv, "ferroxmp_spec_accepted_tokens_total")
+    assert got == want
+    assert drafted > 0 and 0 <= accepted <= drafted
