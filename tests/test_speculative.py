@@ -50,17 +50,17 @@ def _prompts(model_out: list[int], rng) -> list[list[int]]:
     return [base + model_out + base, base * 2, rng.integers(5, 300, 13).tolist(), base[:5] * 6]
 
 
-def _run(model: str, spec: int, deterministic: bool, chunk: int, stops=()) -> tuple[list, tuple]:
+def _run(model: str, spec: int, deterministic: bool, chunk: int, stops=(), **sampling) -> tuple[list, tuple]:
     eng = LocalEngine(model, num_pages=256, page_size=4, max_batch_tokens=chunk, max_rows=8,
                       deterministic=deterministic, spec_tokens=spec)
     try:
         rng = np.random.default_rng(3)
         first = eng.generate(rng.integers(5, 300, 24).tolist(), 12)
         prompts = _prompts(first, np.random.default_rng(3))
-        outs = [eng.generate(p, 40, stop_token_ids=list(stops)) for p in prompts]
-        outs.append(eng.generate(prompts[0], 40))  # again: its prefix is cached now
+        outs = [eng.generate(p, 40, stop_token_ids=list(stops), **sampling) for p in prompts]
+        outs.append(eng.generate(prompts[0], 40, **sampling))  # again: its prefix is cached now
         # Batched: every prompt at once, one of them under a grammar (never speculates).
-        rids = [eng.submit(p, 30, stop_token_ids=list(stops)) for p in prompts]
+        rids = [eng.submit(p, 30, stop_token_ids=list(stops), **sampling) for p in prompts]
         rids.append(eng.submit(prompts[1], 12, grammar=Grammar("regex", "[a-z ]{1,40}")))
         eng.run_until(lambda: all(r in eng.finish for r in rids))
         outs += [eng.outputs[r] for r in rids]
@@ -79,6 +79,53 @@ def test_greedy_output_is_identical_with_and_without_speculation(tiny_model, det
     assert drafted0 == 0
     assert spec == plain
     assert accepted > 0, f"no draft was accepted ({drafted} drafted): the comparison proved nothing"
+
+
+def test_seeded_sampled_output_is_identical_with_and_without_speculation(tiny_model):
+    """With temperature the draw at a position is a Gumbel-max with noise fixed by (seed,
+    position): verifying a draft with the row's own sampler accepts exactly the tokens
+    it would have drawn, so the sampled output is the same sample, not only the same
+    distribution. A low temperature keeps the random model's output copyable."""
+    sampling = dict(temperature=0.1, top_k=3, seed=11)
+    plain, _ = _run(tiny_model, 0, True, 64, **sampling)
+    spec, (drafted, accepted) = _run(tiny_model, 4, True, 64, **sampling)
+    assert spec == plain
+    assert accepted > 0, f"no draft was accepted ({drafted} drafted)"
+    greedy, _ = _run(tiny_model, 0, True, 64)
+    assert greedy[:-1] != plain[:-1], "the sampled run must differ from greedy, or sampling was not tested"
+
+
+def test_drafts_of_the_true_sample_are_all_accepted_at_temperature_one(tiny_model, monkeypatch):
+    """Exactness of the verification under sampling: drafts that are the tokens the plain
+    run drew (an oracle drafter) must all be accepted, and drafts that are wrong must all
+    be rejected, and the output is the plain run's either way. (Verifying by argmax
+    instead of the row's own draw would reject true tokens wherever the draw was not the
+    argmax.)"""
+    from ferroxmp.gpu_worker import runner as runner_mod
+    prompt = np.random.default_rng(5).integers(5, 300, 20).tolist()
+    params = dict(temperature=1.0, top_p=0.95, seed=7)
+
+    def run(drafter=None):
+        eng = LocalEngine(tiny_model, num_pages=128, page_size=4, spec_tokens=3 if drafter else 0)
+        if drafter:
+            monkeypatch.setattr(runner_mod, "propose", drafter)
+        try:
+            out = eng.generate(prompt, 24, **params)
+            s = eng.core.stats()
+            return out, s.spec_draft_tokens, s.spec_accepted_tokens
+        finally:
+            monkeypatch.undo()
+            eng.close()
+
+    want, _, _ = run()
+    true_next = lambda tokens, k: want[len(tokens) - len(prompt):][:k]  # noqa: E731
+    got, drafted, accepted = run(true_next)
+    assert got == want
+    assert drafted > 10 and accepted == drafted, (drafted, accepted)
+    wrong_next = lambda tokens, k: [(t + 1) % 1000 for t in want[len(tokens) - len(prompt):][:k]]  # noqa: E731
+    got, drafted, accepted = run(wrong_next)
+    assert got == want
+    assert drafted > 0 and accepted == 0, (drafted, accepted)
 
 
 def test_stop_tokens_end_a_speculative_row_where_they_end_a_plain_one(tiny_model):

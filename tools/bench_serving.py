@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its modules, a
 from bench_client import (API_KEY_ENV, RequestResult, Target, counter_deltas, discover_model, process_cpu,  # noqa: E402
                           run_job, settled_sum, stream_request)
 from bench_report import ROWS, format_table, lookup, percentile, ratio, stats_ms, summarize  # noqa: E402,F401
-from bench_workloads import (Job, cycle_prefix_jobs, multi_turn_jobs, poisson_arrivals, random_jobs,  # noqa: E402
+from bench_workloads import (Job, copy_text_jobs, cycle_prefix_jobs, multi_turn_jobs, poisson_arrivals, random_jobs,  # noqa: E402
                              shared_prefix_jobs)
 
 
@@ -127,6 +127,8 @@ def build_jobs(args, seed: int | None = None) -> list[Job]:
     if args.workload == "cycle-prefixes":  # in order: run_round submits jobs as listed
         return cycle_prefix_jobs(rng, args.num_prefixes, args.prefix_len, args.cycle_rounds,
                                  args.question_len, args.output_len)
+    if args.workload == "copy-text":
+        return copy_text_jobs(rng, args.num_prompts, args.input_len, args.output_len)
     if args.workload == "multi-turn":
         return multi_turn_jobs(rng, args.num_conversations, args.num_turns,
                                args.input_len, args.output_len, args.range_ratio)
@@ -148,7 +150,8 @@ def parse_args(argv=None):
     p.add_argument("--compare-model")
     p.add_argument("--compare-dialect", choices=("openai", "transformers"), default="openai")
     p.add_argument("--compare-extra-body", type=json.loads, default={})
-    p.add_argument("--workload", choices=("random", "shared-prefix", "multi-turn", "cycle-prefixes"), default="random")
+    p.add_argument("--workload", choices=("random", "shared-prefix", "multi-turn", "cycle-prefixes", "copy-text"),
+                   default="random", help="copy-text: repeat a given text (--input-len words): an input-grounded load")
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)

@@ -65,6 +65,13 @@ def multi_turn_jobs(rng: random.Random, num_conversations: int, num_turns: int,
             for c in range(num_conversations)]
 
 
+def copy_text_jobs(rng: random.Random, num_prompts: int, input_len: int, output_len: int) -> list[Job]:
+    """An input-grounded load (speculative decoding's case): each request asks to repeat a
+    given text of `input_len` words, so a faithful answer copies its prompt."""
+    return [Job([f"Repeat the following text exactly, word for word:\n\n{random_text(rng, input_len)}"],
+                [output_len]) for _ in range(num_prompts)]
+
+
 def poisson_arrivals(rng: random.Random, count: int, rate: float) -> list[float]:
     """Send offsets in seconds: exponential gaps at `rate` per second; all 0 for inf."""
     if math.isinf(rate):

@@ -36,7 +36,7 @@ from .loader import ModelConfig, load_config, load_weights, resolve_device
 from .models import build_model
 from .pooling import MODES as POOLING_MODES, Pooled, normed
 from .quant import describe_bytes, resolve_mode
-from .sampler import RowSample, logprobs_of, sample_rows
+from .sampler import RowSample, logprobs_of, sample, sample_rows
 
 if TYPE_CHECKING:  # llguidance (grammar.py) loads on the first constrained request
     from .grammar import GrammarCache, RowGrammar
@@ -281,7 +281,7 @@ class ModelRunner:
 
     def _drafts(self, batch: ForwardBatch, staged: dict[int, RowState]) -> dict[int, list[int]]:
         """--speculative-ngram: row -> the tokens to verify after its sampled one, for the
-        greedy unconstrained sampling rows the scheduler gave a draft budget (pages)."""
+        unconstrained sampling rows the scheduler gave a draft budget (pages)."""
         out = {}
         limit = self.config.max_position_embeddings
         for s in batch.steps:
@@ -290,7 +290,7 @@ class ModelRunner:
             if k <= 0 or not s.sample or st is None:
                 continue
             p = st.params
-            if (not p.greedy or p.constrained or p.has_penalties or p.logprobs is not None
+            if (p.constrained or p.has_penalties or p.logprobs is not None
                     or p.prompt_logprobs is not None or st.pooled is not None):
                 continue
             k = min(k, limit - (s.start + s.length))
@@ -404,23 +404,32 @@ class ModelRunner:
         return out
 
     def _verify(self, drafts, hidden, index, rows, chosen, bad, state) -> dict[int, list[int]]:
-        """Greedy verification of the drafts: the model's argmax at each draft position
-        (the same argmax the row would take in a step of its own); a draft token is
-        accepted while it equals the argmax before it, and the argmax after the last
-        accepted one is emitted too. Returns row -> the tokens emitted after `chosen`."""
-        spans, where = [], []
+        """Verification of the drafts by the row's own sampler: at each draft position the
+        token the row would sample there in a step of its own (argmax when greedy; with
+        temperature, the Gumbel-max draw, whose noise is a function of (seed, position):
+        the same draw). A draft token is accepted while it equals the token sampled before
+        it, and the token sampled after the last accepted one is emitted too; so the
+        output is the one decoding without drafts gives, greedy or sampled. Returns row ->
+        the tokens emitted after `chosen`."""
+        spans, samples, where = [], [], []
         for j, r in enumerate(rows):
             d = drafts.get(r)
             if d and j not in bad:
-                first = int(index[j])
+                first, st = int(index[j]), state[r]
                 where.append((j, r, d, len(spans)))
                 spans.extend(range(first + 1, first + 1 + len(d)))
+                # chosen[j] is token len(st.tokens); draft position i predicts the one after
+                samples.extend(RowSample(st.params, st.seed, len(st.tokens) + 1 + i) for i in range(len(d)))
         if not where:
             return {}
-        after = self._logits_at(hidden, torch.tensor(spans, device=self.device)).argmax(dim=-1).tolist()
+        try:
+            after = sample(self._logits_at(hidden, torch.tensor(spans, device=self.device)), samples).tolist()
+        except Exception as e:  # the rows keep their sampled token; the drafts are dropped
+            log.warning("verifying drafts failed (%s: %s); dropping them", type(e).__name__, e)
+            return {}
         out = {}
         for j, r, d, at in where:
-            said = [int(chosen[j])] + after[at:at + len(d)]  # the model's token after each input
+            said = [int(chosen[j])] + after[at:at + len(d)]  # the token sampled after each input
             a = 0
             while a < len(d) and said[a] == d[a]:
                 a += 1

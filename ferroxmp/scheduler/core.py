@@ -196,13 +196,14 @@ class SchedulerCore:
 
     def _draft_budget(self, decode: list[Request], starts: list[int]) -> dict[int, int]:
         """--speculative-ngram: how many draft tokens each decode row may have verified
-        this step (row -> k), with pages held for them. Only rows whose sampling is a
-        plain argmax (the draft is checked against it); never past max_tokens; and
-        drafting takes only free pages: it never evicts a cached prefix or retracts a row."""
+        this step (row -> k), with pages held for them. Only rows whose draw depends on
+        nothing but the logits, seed and position (no grammar, bias, min_tokens,
+        penalties; no logprobs); never past max_tokens; and drafting takes only free
+        pages: it never evicts a cached prefix or retracts a row."""
         out, ps = {}, self.cfg.page_size
         for req, start in zip(decode, starts):
             p = req.params
-            if (not p.greedy or p.constrained or p.has_penalties or p.logprobs is not None
+            if (p.constrained or p.has_penalties or p.logprobs is not None
                     or p.prompt_logprobs is not None or p.pooling):
                 continue
             k = min(self.cfg.spec_tokens, p.max_tokens - len(req.output) - 1)
