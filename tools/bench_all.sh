@@ -2,7 +2,7 @@
 # Reproduces every figure of docs/BENCHMARKS.md on the smol-135m shape.
 #
 #   tools/bench_all.sh [SECTION...]     sections: worker peer peer-alone threads radix ttft overlap
-#                                       burst radix-micro quant tiers kv-restart
+#                                       burst radix-micro quant tiers kv-restart spec spec-batch
 #                                       (default: worker peer radix ttft overlap radix-micro)
 # Env: MODEL (default /tmp/smol, built with tools/make_tiny_model.py if missing),
 #      OUT (default bench-results/), MAX_BUSY (default 0.3 cores), PEER_THREADS (default 2);
@@ -262,6 +262,28 @@ section_kv-restart() {  # issue 28: one 8k-token prompt cold, warm, and after SI
         measure "kv_restart${keep:+_keep}" "$PY" tools/bench_kv_restart.py --prompt-tokens 8000 $keep \
             --json "$OUT/kv_restart${keep:+_keep}.json" -- --model "$gguf" --kv-cache-dir "$OUT/kv-restart"
     done
+}
+
+section_spec() {  # issue 29: --speculative-ngram vs without, single stream, on the shipped GGUF
+    # copy-text: each request asks to repeat a given text (an input-grounded load);
+    # random: nothing to copy (the cost of drafting that is rejected).
+    local gguf=${GGUF:-$("$PY" -c "from ferroxmp.checkpoint.default_model import default_model_path as p; print(p())")}
+    MODEL=$gguf start_ferroxmp spec_A "$A_PORT"
+    MODEL=$gguf start_ferroxmp spec_B "$B_PORT" --speculative-ngram
+    measure spec_copy "${BENCH[@]}" --endpoint chat --workload copy-text --num-prompts 4 --input-len 120 \
+        --output-len 128 --max-concurrency 1 --temperature 0 --seed 50 --out "$OUT/spec_copy.json"
+    measure spec_random "${BENCH[@]}" --endpoint chat --workload random --num-prompts 4 --input-len 120 \
+        --output-len 128 --max-concurrency 1 --temperature 0 --seed 51 --out "$OUT/spec_random.json"
+    stop_all
+}
+
+section_spec-batch() {  # issue 29: the cost of --speculative-ngram (one batch in flight) under 16 users
+    local gguf=${GGUF:-$("$PY" -c "from ferroxmp.checkpoint.default_model import default_model_path as p; print(p())")}
+    MODEL=$gguf start_ferroxmp spec_batch_A "$A_PORT"
+    MODEL=$gguf start_ferroxmp spec_batch_B "$B_PORT" --speculative-ngram
+    measure spec_batch "${BENCH[@]}" --endpoint chat --workload random --num-prompts 32 --input-len 200 \
+        --output-len 64 --max-concurrency 16 --temperature 0 --seed 52 --out "$OUT/spec_batch.json"
+    stop_all
 }
 
 SECTIONS=("$@")
