@@ -29,6 +29,7 @@ from typing import Any, Optional
 import jinja2.meta
 from tokenizers import Tokenizer
 
+from ferroxmp.fits import context_refusal
 from ferroxmp.frontend.errors import bad_param
 
 # How many bytes of input a normalizer may turn into one byte (None: unbounded). Unicode
@@ -104,9 +105,8 @@ class PromptEncoder:
             least = -(-len(text) // bpt)
             if least < self.max_model_len:
                 least = self.min_tokens(text)
-            if least >= self.max_model_len:
-                raise bad_param(param, f"the prompt is {len(text)} characters, at least {least} tokens; this "
-                                f"model's context holds {self.max_model_len} (prompt + completion): shorten it")
+            if (why := context_refusal(least, None, self.max_model_len, at_least=True)) is not None:
+                raise bad_param(param, why)
         tok = self._tok
         if tok is None:
             return self.codec.encode(text, add_special_tokens=add_special_tokens)

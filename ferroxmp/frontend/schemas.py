@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import msgspec
 
+from ferroxmp.fits import context_refusal
 from ferroxmp.frontend.errors import bad_param
 from ferroxmp.frontend import structured, tool_request
 from ferroxmp.frontend.fields import Fields, check_names
@@ -84,16 +85,14 @@ class ApiRequest:
         default max_tokens is capped by the pool too, so it never causes a refusal."""
         if prompt_len < 1:
             raise bad_param(self.prompt_param, "the prompt is empty: it must hold at least one token")
-        if prompt_len >= max_model_len:
-            raise bad_param(self.prompt_param, f"the prompt has {prompt_len} tokens; this model's context "
-                            f"holds {max_model_len} (prompt + completion): shorten the prompt")
+        if (why := context_refusal(prompt_len, None, max_model_len)) is not None:
+            raise bad_param(self.prompt_param, why)
         max_tokens = self.max_tokens
         if max_tokens is None:
             room = min(max_model_len, pool_tokens or max_model_len) - prompt_len
             max_tokens = max(1, room if self.kind == "chat" else min(16, room))
-        elif prompt_len + max_tokens > max_model_len:
-            raise bad_param("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) "
-                            f"exceeds the context of {max_model_len} tokens: lower max_tokens")
+        elif (why := context_refusal(prompt_len, max_tokens, max_model_len)) is not None:
+            raise bad_param("max_tokens", why)
         if self.sampling.min_tokens > max_tokens:
             raise bad_param("min_tokens", f"min_tokens ({self.sampling.min_tokens}) exceeds max_tokens "
                             f"({max_tokens})")
@@ -113,9 +112,9 @@ class Limits:
     def token_ids(self, v: Any, param: str, what: str = "prompt") -> list[int]:
         if not isinstance(v, list) or not all(type(t) is int for t in v):
             raise bad_param(param, "must be a list of integer token ids")
-        if what == "prompt" and self.max_model_len is not None and len(v) >= self.max_model_len:
-            raise bad_param(param, f"the prompt has {len(v)} tokens; this model's context holds "
-                            f"{self.max_model_len} (prompt + completion): shorten the prompt")
+        if what == "prompt" and self.max_model_len is not None and (
+                why := context_refusal(len(v), None, self.max_model_len)) is not None:
+            raise bad_param(param, why)
         if what == "stop" and len(v) > MAX_STOP_TOKEN_IDS:
             raise bad_param(param, f"at most {MAX_STOP_TOKEN_IDS} token ids, got {len(v)}")
         for t in v:

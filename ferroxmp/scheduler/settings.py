@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ferroxmp.fits import context_refusal
 from ferroxmp.protocol import SamplingParams
 from ferroxmp.scheduler.cache import pages_for
 
@@ -48,9 +49,8 @@ class SchedulerConfig:
             return "the prompt is empty: send at least one token"
         if p.max_tokens < 1:
             return f"max_tokens must be at least 1, got {p.max_tokens}"
-        if n + p.max_tokens > limit:
-            return (f"this model's maximum context length is {limit} tokens; the prompt has {n} "
-                    f"and max_tokens asks for {p.max_tokens} more: shorten the prompt or lower max_tokens")
+        if (why := context_refusal(n, p.max_tokens, limit)) is not None:
+            return why
         if pages_for(n + p.max_tokens, self.page_size) > num_pages:
             return (f"prompt ({n}) + max_tokens ({p.max_tokens}) needs more KV pages than the whole "
                     f"pool holds ({num_pages} x {self.page_size} tokens)")
