@@ -275,6 +275,15 @@ section_spec() {  # issue 29: --speculative-ngram vs without, single stream, on 
     measure spec_random "${BENCH[@]}" --endpoint chat --workload random --num-prompts 4 --input-len 120 \
         --output-len 128 --max-concurrency 1 --temperature 0 --seed 51 --out "$OUT/spec_random.json"
     stop_all
+    [ -n "${LLAMA_SERVER:-}" ] || { echo "LLAMA_SERVER unset: llama-server not measured" >&2; return 0; }
+    # The peer on the same file, the same copy-text load: A = ours with speculation.
+    MODEL=$gguf start_ferroxmp spec_A "$A_PORT" --speculative-ngram
+    "$LLAMA_SERVER" -m "$gguf" --port "$B_PORT" -t 2 -np 1 -c 4096 >"$OUT/spec_llama.log" 2>&1 &
+    PIDS+=($!)
+    wait_healthy "$B_PORT" $!
+    measure spec_copy_llama "${BENCH[@]}" --no-server-metrics --endpoint chat --workload copy-text --num-prompts 4 \
+        --input-len 120 --output-len 128 --max-concurrency 1 --temperature 0 --seed 50 --out "$OUT/spec_copy_llama.json"
+    stop_all
 }
 
 section_spec-batch() {  # issue 29: the cost of --speculative-ngram (one batch in flight) under 16 users
