@@ -182,15 +182,21 @@ class CacheMachine(RuleBasedStateMachine):
         self._sync_after_evict()
         assert not (before - set(self.published.values())) & held, "evicted a page a row holds"
 
+    def _loading(self) -> set:
+        """Pages held by loads from a tier below the pool (none here; test_tier_moves.py)."""
+        return set()
+
     @invariant()
     def accounted(self):
         self.cache.check_integrity()
         tree_pages = self.cache.tree.pages()
         assert sorted(self.published.values()) == sorted(tree_pages), "tree and model disagree"
         rows = {p for r in self.rows for p in r.cache.pages if p >= 0}
+        loading = self._loading()
+        assert not loading & (rows | set(tree_pages)), "a page being loaded is also held elsewhere"
         assert self.cache.pages_in_use == len(rows)
         assert self.cache.pages_cached == len(set(tree_pages) - rows)
-        assert self.pool.free_count + len(rows | set(tree_pages)) == POOL_PAGES
+        assert self.pool.free_count + len(rows | set(tree_pages) | loading) == POOL_PAGES
 
 
 CacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

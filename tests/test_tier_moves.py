@@ -14,7 +14,7 @@ and the tree holds exactly the model's pages.
 from __future__ import annotations
 
 from hypothesis import settings, strategies as st
-from hypothesis.stateful import invariant, precondition, rule
+from hypothesis.stateful import precondition, rule
 
 from ferroxmp.protocol import KVFlush, KVLoad, KVLoaded, KVSave, KVTierReport, unpack_ids
 from ferroxmp.scheduler.cache import CacheManager
@@ -150,15 +150,8 @@ class TieredCacheMachine(CacheMachine):
         self._sync_after_evict()
         self._worker_takes_ops()
 
-    @invariant()
-    def accounted(self):
-        self.cache.check_integrity()
-        tree_pages = self.cache.tree.pages()
-        assert sorted(self.published.values()) == sorted(tree_pages), "tree and model disagree"
-        rows = {p for r in self.rows for p in r.cache.pages if p >= 0}
-        loading = {p for x in self.cache.moves.loads.values() for p in x.pages}
-        assert not loading & (rows | set(tree_pages)), "a page being loaded is also held elsewhere"
-        assert self.pool.free_count + len(rows | set(tree_pages) | loading) == POOL_PAGES
+    def _loading(self) -> set:
+        return {p for x in self.cache.moves.loads.values() for p in x.pages}
 
 
 TieredCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
