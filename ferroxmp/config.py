@@ -59,10 +59,10 @@ class ServerArgs:
     admin_api_key: Optional[str] = _f(None, "Key for admin routes (POST /cache/flush); without it they take the "
                                       "ordinary --api-key (and are open on a server without keys).")
     disable_overlap: bool = _f(False, "Run one batch at a time instead of building N+1 while N computes.")
-    speculative_ngram: bool = _f(False, "Speculative decoding by prompt lookup: a greedy row's next tokens are "
+    speculative_ngram: bool = _f(False, "Speculative decoding by prompt lookup: a request's next tokens are "
                                  "drafted by copying what followed the latest earlier occurrence of its last "
-                                 "tokens (prompt or output) and verified in one step; the output is the same "
-                                 "as without it. Pays off when outputs copy their input (rewrites, code edits, "
+                                 "tokens (prompt or output) and verified in one step by its own sampler; the "
+                                 "output is the same as without it (greedy or seeded sampling). Pays off when outputs copy their input (rewrites, code edits, "
                                  "RAG). One batch in flight (as --disable-overlap).")
     num_speculative_tokens: int = _f(4, "Most tokens drafted per row and step with --speculative-ngram.")
     disable_cuda_graph: bool = _f(False, "On CUDA, run decode steps eagerly instead of replaying CUDA graphs "

@@ -78,6 +78,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         return self.grammar is not None or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
+    def may_draft(self) -> bool:
+        """--speculative-ngram may verify drafts for this request: its draw depends on the
+        logits, seed and position alone (scheduler and worker both ask this)."""
+        return not (self.constrained or self.has_penalties or self.logprobs is not None
+                    or self.prompt_logprobs is not None or self.pooling)
+
+    @property
     def has_penalties(self) -> bool:
         return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
                 or self.repetition_penalty != 1.0)

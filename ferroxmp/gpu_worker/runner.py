@@ -287,11 +287,7 @@ class ModelRunner:
         for s in batch.steps:
             k = batch.spec.get(s.row, 0)
             st = staged.get(s.row) or self.rows.get(s.row)
-            if k <= 0 or not s.sample or st is None:
-                continue
-            p = st.params
-            if (p.constrained or p.has_penalties or p.logprobs is not None
-                    or p.prompt_logprobs is not None or st.pooled is not None):
+            if k <= 0 or not s.sample or st is None or not st.params.may_draft:
                 continue
             k = min(k, limit - (s.start + s.length))
             if k > 0 and st.backoff.wants_draft():

@@ -203,8 +203,7 @@ class SchedulerCore:
         out, ps = {}, self.cfg.page_size
         for req, start in zip(decode, starts):
             p = req.params
-            if (p.constrained or p.has_penalties or p.logprobs is not None
-                    or p.prompt_logprobs is not None or p.pooling):
+            if not p.may_draft:
                 continue
             k = min(self.cfg.spec_tokens, p.max_tokens - len(req.output) - 1)
             have = len(req.cache.pages) * ps

@@ -47,7 +47,6 @@ class Load:
     base: list[int]  # that prefix's pages
     pages: list[int]  # pool pages being filled (one ref each: the load's)
     keys: list[bytes]
-    started: float
     deadline: float  # when the request stops waiting for it
     overdue: bool = False
 
@@ -134,7 +133,7 @@ class TierMoves:
             req.kv_probe = None
             return False
         load = Load(self._next_id, req.rid, req.salt, np.array(req.tokens[:(base + k) * ps]), node,
-                    base_pages, pages, keys[base:base + k], now,
+                    base_pages, pages, keys[base:base + k],
                     now if probe else now + self._wait_s(k * ps, recompute_tps))
         self._next_id += 1
         self.loads[load.load_id] = load
