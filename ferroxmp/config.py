@@ -100,12 +100,12 @@ class ServerArgs:
     deterministic: bool = _f(False, "Same request, same bits: tokens and logprobs independent of the batch, "
                              "chunking, cache hits, overlap and retraction (batch-invariant matmuls and "
                              "attention; costs throughput: docs/BENCHMARKS.md section 11).")
-    quantization: str = _f("auto", "Weights kept compressed on CPU, multiplied by FBGEMM. fp16: float16 weights, "
-                           "float32 activations (greedy output equal to none on SmolLM2). int8: int8 weights with a "
-                           "scale per output row AND activations quantized per call (faster, lossy on small models). "
-                           "auto = fp16 for a GGUF file, none for a Hugging Face folder; none = float weights (a "
-                           "GGUF dequantized). Float on CUDA and with --deterministic (fp16/int8 refused there).",
-                           ["auto", "none", "fp16", "int8"])
+    quantization: str = _f("auto", "Weights kept compressed on CPU. fp16: float16 weights (FBGEMM). int4: projections "
+                           "in int4 groups of 32, embedding and head int8 (a GGUF's Q4_0/Q4_1/Q8_0 kept as stored, "
+                           "other block types int8). int8: everything int8 in groups of 32. Activations stay float32 "
+                           "in all three. auto = fp16 for a block-quantized GGUF, none for a Hugging Face folder; none "
+                           "= float weights (a GGUF dequantized). Refused on CUDA and with --deterministic.",
+                           ["auto", "none", "fp16", "int8", "int4"])
 
     def validate(self) -> None:
         """Raise ValueError('--flag: why') for the first bad value."""
@@ -155,11 +155,11 @@ class ServerArgs:
             bad("node_rank", f"must be in 0..{self.nnodes - 1}, got {self.node_rank}")
         if self.nnodes > 1 and not re.fullmatch(r"\[?[\w.:-]+\]?:\d{1,5}", self.dist_init_addr or ""):
             bad("dist_init_addr", f"--nnodes {self.nnodes} needs node 0's host:port, got {self.dist_init_addr!r}")
-        if self.deterministic and self.quantization in ("fp16", "int8"):  # FBGEMM: batch invariance unverified
+        if self.deterministic and self.quantization in ("fp16", "int8", "int4"):  # batch invariance unverified
             bad("quantization", f"{self.quantization} is not verified batch-invariant; use --quantization none "
                 "with --deterministic")
-        if self.device == "cuda" and self.quantization in ("fp16", "int8"):
-            bad("quantization", f"{self.quantization} runs through FBGEMM, which is CPU only; use --quantization "
+        if self.device == "cuda" and self.quantization in ("fp16", "int8", "int4"):
+            bad("quantization", f"{self.quantization} runs through CPU kernels only; use --quantization "
                 "none on CUDA")
         if self.kv_host_gb < 0 or self.kv_disk_gb <= 0:
             bad("kv_host_gb" if self.kv_host_gb < 0 else "kv_disk_gb", "must be positive")

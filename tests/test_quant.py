@@ -1,6 +1,6 @@
-"""Weights kept compressed (ferroxmp/gpu_worker/quant/): each GGUF type, loaded as fp16
-or int8, against the dequantized float32 reference, layer by layer; the byte accounting;
-tensor-parallel shards; the flags that refuse a compressed mode.
+"""Weights kept compressed (ferroxmp/gpu_worker/quant/): each GGUF type, loaded as fp16,
+int8 or int4, against the dequantized float32 reference, layer by layer; the byte
+accounting; tensor-parallel shards; the flags that refuse a compressed mode.
 
 Oracles: `load_weights(..., quantization="none")` (the float32 path every other test
 trusts) and F.linear over the very values the kernel holds. Tolerances come from the
@@ -8,9 +8,11 @@ arithmetic, not from what the code happened to print:
 - fp16: the loader must hold exactly `reference.half()`; FBGEMM's fp16 GEMM then only
   reorders a float32 sum, so |y - F.linear(x, w16.float())| <= 8 * K * 2^-24 * (|x| @ |w|^T)
   (the standard gamma_K bound on a float32 dot product, with slack 8).
-- int8: round-to-nearest per row, so |w_int8 - w| <= scale / 2 element-wise; FBGEMM also
-  rounds the activations to a 7-bit grid over [min(x, 0), max(x, 0)] (reduce_range), so
-  |y - F.linear(x, w_int8)| <= (step / 2) * sum_k |w_int8| per output, step = range / 127.
+- int4/int8 (groups of 32): a GGUF tensor read as stored (Q4_0/Q4_1 -> int4, Q8_0 ->
+  int8) dequantizes to exactly gguf's own dequantization; one requantized holds each value
+  within half its group's step d / 2. groups.c then sums float32 products in another
+  order than F.linear over the dequantized weight: the same gamma_K bound as fp16 (for
+  int4 the m * sum(x) term adds K values more: slack 16).
 A wrong scale, zero point, row order or group layout breaks these by orders of magnitude.
 """
 from __future__ import annotations
@@ -23,8 +25,8 @@ from gguf import GGMLQuantizationType as Q
 from ferroxmp.config import ServerArgs
 from ferroxmp.gpu_worker.loader import load_config, load_weights, weight_bytes
 from ferroxmp.gpu_worker.models import build_model
-from ferroxmp.gpu_worker.quant import Int8Rows, PackedF16, PackedInt8, resolve_mode, should_quantize
-from ferroxmp.gpu_worker.quant.policy import QuantizationRefused
+from ferroxmp.gpu_worker.quant import Groups, PackedF16, resolve_mode, should_quantize, target_format
+from ferroxmp.gpu_worker.quant.policy import AS_STORED, QuantizationRefused
 from ferroxmp.gpu_worker.tp import Shard
 from gguf_writer import write_gguf
 
@@ -80,31 +82,67 @@ def test_each_gguf_type_kept_as_fp16_equals_its_dequantized_weights_layer_by_lay
     assert checked >= 7  # every projection of a layer and the embedding were compared
 
 
+def _step_bound(g: Groups) -> torch.Tensor:
+    """Half of each group's step, per element ([rows, cols]): the rounding bound."""
+    return (g.d.float() / 2).repeat_interleave(32, dim=1) * (1 + 1e-5) + 1e-12
+
+
+def _check_matmul(g: Groups, deq: torch.Tensor, name: str) -> None:
+    """The kernel (1 and 5 rows) and the widened path (40 rows) against F.linear over the
+    dequantized weight, within the float32 summation bound."""
+    k = deq.shape[1]
+    for rows in (1, 5, 40):
+        x = _x(k, rows)
+        bound = 16 * k * 2.0 ** -24 * (x.abs() @ deq.abs().T + x.abs().sum(1, keepdim=True)) + 1e-30
+        assert ((g(x) - F.linear(x, deq)).abs() <= bound).all(), (name, rows)
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_each_gguf_type_kept_as_int8_stays_within_half_a_step_of_its_dequantized_weights(gguf_of, qtype):
-    """Per row, |int8 * scale - w| <= scale / 2 (a scale from the wrong row, or one
-    computed after slicing, breaks it), and FBGEMM's product stays inside the activation
-    rounding bound of F.linear over the same int8 weights."""
+def test_each_gguf_type_kept_in_groups_equals_or_rounds_its_dequantized_weights(gguf_of, qtype, mode):
+    """Q4_0/Q4_1 under int4 and Q8_0 under both modes are read as stored: the same values
+    as gguf's dequantization, bit for bit (a wrong nibble order, scale/min swap or Q/K row
+    permutation breaks it); every other type is requantized within half a group step. The
+    kernel's product, the embedding lookup and the tied head are checked on top."""
     path = gguf_of(qtype)
     ref = load_weights(path, CPU, torch.float32, quantization="none")
-    got = load_weights(path, CPU, torch.float32, quantization="int8")
+    got = load_weights(path, CPU, torch.float32, quantization=mode)
+    checked = 0
     for name, w in ref.items():
         if not should_quantize(name):
+            assert torch.equal(got[name], w), name
             continue
-        rows = got[name]
-        assert isinstance(rows, Int8Rows) and rows.q.dtype == torch.int8, name
-        deq = rows.dequantize()
-        # 1e-5: float32 rounding of w / scale and of q * scale at an exact half-step tie
-        assert ((deq - w).abs() <= rows.scale[:, None] / 2 * (1 + 1e-5) + 1e-12).all(), name
-        x = _x(w.shape[1])
-        step = (x.max().clamp(min=0) - x.min().clamp(max=0)) / 127
-        bound = step / 2 * deq.abs().sum(1)[None, :] * 1.01 + 1e-5
-        assert ((PackedInt8(rows)(x) - F.linear(x, deq)).abs() <= bound).all(), name
+        g = got[name]
+        want = target_format(name, tuple(w.shape), mode, qtype.name)
+        assert isinstance(g, Groups) and g.format == want, name
+        deq = g.dequantize()
+        if AS_STORED.get(qtype.name) == want:
+            assert torch.equal(deq, w), name
+        else:
+            assert ((deq - w).abs() <= _step_bound(g)).all(), name
+        _check_matmul(g, deq, name)
         ids = torch.tensor([0, 3, w.shape[0] - 1])
-        assert torch.equal(rows.lookup(ids, torch.float32), deq[ids]), name  # the embedding path
+        assert torch.equal(g.lookup(ids, torch.float32), deq[ids]), name  # the embedding path
+        checked += 1
+    assert checked >= 7
 
 
-@pytest.mark.parametrize("mode", ["none", "fp16", "int8"])
+def test_groups_cut_and_fused_hold_the_same_values_and_a_cut_inside_a_group_is_refused():
+    g = Groups.quantize(torch.randn(96, 128), "int4")
+    deq = g.dequantize()
+    assert torch.equal(g[10:50, 32:96].dequantize(), deq[10:50, 32:96])
+    order = torch.randperm(96)
+    assert torch.equal(g[order].dequantize(), deq[order])
+    from ferroxmp.gpu_worker.quant import cat_rows
+    assert torch.equal(cat_rows([g[:40], g[40:]]).dequantize(), deq)
+    assert torch.equal(g.pad_rows(3).dequantize()[96:], torch.zeros(3, 128))
+    with pytest.raises(ValueError, match="cut a group"):
+        g[:, 16:48]
+    with pytest.raises(TypeError):
+        cat_rows([g, Groups.quantize(torch.randn(4, 128), "int8")])
+
+
+@pytest.mark.parametrize("mode", ["none", "fp16", "int8", "int4"])
 def test_the_reported_weight_bytes_equal_the_bytes_of_the_tensors_the_model_holds(gguf_of, mode):
     """Three counts must agree: the header-only estimate that sizes memory before loading
     (weight_bytes), the model's own report (/server_info), and the bytes of the loaded
@@ -115,61 +153,74 @@ def test_the_reported_weight_bytes_equal_the_bytes_of_the_tensors_the_model_hold
     loaded = load_weights(path, CPU, cfg.dtype, quantization=mode)
 
     def nbytes(t) -> int:
-        if isinstance(t, Int8Rows):
-            return t.q.numel() + 4 * t.scale.numel()
+        if isinstance(t, Groups):  # int4: two values a byte; float16 d (and m) per group of 32
+            return t.shape[0] * t.shape[1] // (2 if t.format == "int4" else 1) + \
+                t.shape[0] * t.shape[1] // 32 * (4 if t.format == "int4" else 2)
         return t.numel() * t.element_size()
     direct = sum(nbytes(t) for t in loaded.values())
     tied = "lm_head.weight" not in loaded
-    if tied and mode != "none":  # FBGEMM holds its own copy of a tied head
+    if tied and mode == "fp16":  # FBGEMM holds its own copy of a tied head; Groups are shared
         direct += nbytes(loaded["model.embed_tokens.weight"])
     model = build_model(cfg, loaded, CPU)
     assert sum(model.weight_bytes().values()) == direct == weight_bytes(path, cfg.dtype, mode)
-    if mode == "int8":
-        assert weight_bytes(path, cfg.dtype, "int8") < weight_bytes(path, cfg.dtype, "none") / 2
+    if mode in ("int8", "int4"):
+        assert weight_bytes(path, cfg.dtype, mode) < weight_bytes(path, cfg.dtype, "none") / 3  # Q8_0 stays int8
 
 
 def test_a_compressed_tensor_parallel_shard_holds_exactly_tp1s_values(gguf_of):
-    """Each weight is quantized whole and then cut, so rank r's int8 values AND row
-    scales are tp=1's, sliced (quantizing a column slice would give o_proj/down_proj
-    other scales, and tp=2 other answers than tp=1)."""
+    """Each weight is quantized whole (or read as stored) and then cut, so rank r's values
+    AND group scales are tp=1's, sliced (quantizing a slice alone would give other
+    scales, and tp=2 other answers than tp=1)."""
     path = gguf_of(Q.Q4_1)
     cfg = load_config(path)
-    full = load_weights(path, CPU, cfg.dtype, quantization="int8")
+    for mode in ("int8", "int4"):
+        _same_shards(path, cfg, mode)
+
+
+def _same_shards(path, cfg, mode):
+    full = load_weights(path, CPU, cfg.dtype, quantization=mode)
     for rank in range(2):
         shard = Shard(cfg, rank, 2)
-        part = load_weights(path, CPU, cfg.dtype, select=shard.index, quantization="int8")
+        part = load_weights(path, CPU, cfg.dtype, select=shard.index, quantization=mode)
         assert part.keys() <= full.keys()
         for name, t in part.items():
             index = shard.index(name, tuple(full[name].shape))
             want = full[name][index] if index else full[name]
-            if isinstance(t, Int8Rows):
-                assert torch.equal(t.q, want.q) and torch.equal(t.scale, want.scale), (rank, name)
-            else:
-                assert torch.equal(t, want), (rank, name)
+            _assert_same(t, want, (mode, rank, name))
+
+
+def _assert_same(t, want, what) -> None:
+    if isinstance(want, Groups):
+        assert isinstance(t, Groups) and torch.equal(t.q, want.q) and torch.equal(t.d, want.d), what
+        assert (t.m is None and want.m is None) or torch.equal(t.m, want.m), what
+    else:
+        assert torch.equal(t, want), what
 
 
 def test_compressed_modes_are_refused_by_name_where_they_cannot_run(tiny_models, gguf_of):
     """--deterministic promises batch-invariant bits and CUDA has no FBGEMM: an explicit
     fp16/int8 there is refused naming the flag; auto quietly stays float; a Hugging Face
     folder and a float GGUF stay float under auto."""
-    for mode in ("fp16", "int8"):
+    for mode in ("fp16", "int8", "int4"):
         with pytest.raises(ValueError, match="--quantization"):
             ServerArgs(quantization=mode, deterministic=True).validate()
-        with pytest.raises(QuantizationRefused, match="CPU only"):
+        with pytest.raises(QuantizationRefused, match="CPU kernels only"):
             resolve_mode(mode, gguf_of(Q.Q8_0), torch.device("cuda"))
     assert resolve_mode("auto", gguf_of(Q.Q8_0), CPU) == "fp16"
     assert resolve_mode("auto", gguf_of(Q.Q8_0), CPU, deterministic=True) == "none"
     assert resolve_mode("auto", gguf_of(Q.Q8_0), torch.device("cuda")) == "none"
     assert resolve_mode("auto", tiny_models["llama"], CPU) == "none"
     assert resolve_mode("int8", tiny_models["llama"], CPU) == "int8"
+    assert resolve_mode("int4", tiny_models["llama"], CPU) == "int4"
     assert resolve_mode("auto", write_gguf(tiny_models["llama"], str(gguf_of(Q.Q8_0)) + ".f32.gguf", Q.F32),
                         CPU) == "none"
 
 
-@pytest.mark.parametrize("mode", ["fp16", "int8"])
+@pytest.mark.parametrize("mode", ["fp16", "int8", "int4"])
 def test_a_hugging_face_folder_is_compressed_on_request_whole_and_by_shard(tiny_models, mode):
     """--quantization on a safetensors folder: the same values as the float load narrowed
-    (fp16: exactly .half(); int8: within scale/2 per element), a --tp shard equal to the
+    (fp16: exactly .half(); int8/int4: within half a group step per element; int4 keeps
+    the embedding and head int8), a --tp shard equal to the
     whole tensor's slice, and the header estimate equal to the loaded bytes (untied head)."""
     folder = tiny_models["qwen2"]
     cfg = load_config(folder)
@@ -184,15 +235,13 @@ def test_a_hugging_face_folder_is_compressed_on_request_whole_and_by_shard(tiny_
         elif mode == "fp16":
             assert t.dtype == torch.float16 and torch.equal(t, w.half()), name
         else:
-            assert ((t.dequantize() - w).abs() <= t.scale[:, None] / 2 * (1 + 1e-5) + 1e-12).all(), name
+            assert t.format == ("int8" if mode == "int8" or name.endswith(("embed_tokens.weight", "lm_head.weight"))
+                                else "int4"), name
+            assert ((t.dequantize() - w).abs() <= _step_bound(t)).all(), name
         index = shard.index(name, tuple(w.shape))
         if index is None:
             assert name not in part
             continue
-        want = t[index] if index else t
-        if isinstance(want, Int8Rows):
-            assert torch.equal(part[name].q, want.q) and torch.equal(part[name].scale, want.scale), name
-        else:
-            assert torch.equal(part[name], want), name
+        _assert_same(part[name], t[index] if index else t, name)
     model = build_model(cfg, got, CPU)
     assert sum(model.weight_bytes().values()) == weight_bytes(folder, cfg.dtype, mode)

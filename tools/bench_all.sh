@@ -207,7 +207,7 @@ section_quant() {  # issue 30: one server at a time on the same GGUF, per --quan
     local W=("$PY" tools/bench_serving.py --base-url "http://127.0.0.1:$A_PORT" --workload random
              --input-len 64 --output-len 64 --seed 30)
     local mode pids
-    for mode in none fp16 int8; do
+    for mode in none fp16 int8 int4; do
         # a small KV pool (0.25 GiB), so the resident size shows the weights
         MODEL=$gguf start_ferroxmp "quant_$mode" "$A_PORT" --quantization "$mode" --kv-cache-gb 0.25
         pids=$(curl -s "http://127.0.0.1:$A_PORT/server_info" | "$PY" -c \

@@ -12,7 +12,7 @@ is refused by name rather than dropped; `rope_freqs.weight` is config, not a wei
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from typing import Optional
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -80,16 +80,21 @@ def weight_names(g: GGUFFile) -> list[str]:
     return [n for n in g.tensors if n not in CONFIG_TENSORS]
 
 
-def iter_weights(g: GGUFFile, n_head: int, n_kv_head: int) -> Iterator[tuple[str, np.ndarray]]:
-    """(Hugging Face name, float32 array) for every weight, in file order."""
-    names = weight_names(g)
-    for n in names:
-        hf_name(n)  # refuse an unknown tensor before spending time on the others
-    unpermute = permutes_qk(g)
-    for n in names:
-        w = dequantize(g, n)
-        if unpermute and n.endswith(("attn_q.weight", "attn_q.bias")):
-            w = unpermute_qk(w, n_head)
-        elif unpermute and n.endswith(("attn_k.weight", "attn_k.bias")):
-            w = unpermute_qk(w, n_kv_head)
-        yield hf_name(n), w
+def row_order(g: GGUFFile, name: str, n_head: int, n_kv_head: int) -> Optional[np.ndarray]:
+    """The order of tensor `name`'s rows in Hugging Face's layout (q/k rows of a file that
+    permutes them), or None when the file's order is already it. A block-quantized
+    tensor keeps its blocks (they lie within a row) and only its rows move."""
+    if not permutes_qk(g):
+        return None
+    heads = n_head if name.endswith(("attn_q.weight", "attn_q.bias")) else \
+        n_kv_head if name.endswith(("attn_k.weight", "attn_k.bias")) else None
+    if heads is None:
+        return None
+    return unpermute_qk(np.arange(g.tensors[name].shape[0]), heads)
+
+
+def weight(g: GGUFFile, name: str, n_head: int, n_kv_head: int) -> np.ndarray:
+    """Tensor `name` as float32 in Hugging Face's row order."""
+    w = dequantize(g, name)
+    order = row_order(g, name, n_head, n_kv_head)
+    return w if order is None else w[order]

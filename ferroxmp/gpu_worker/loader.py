@@ -242,15 +242,15 @@ def _progress(total: int, what: str) -> tqdm:
 Select = Callable[[str, tuple], Optional[tuple]]
 
 
-def _quantize_then_select(name: str, t: torch.Tensor, select: Optional[Select]):
-    """A weight quantize.py keeps int8: quantized whole (each row's scale from the whole
-    row), then cut, so a tensor-parallel shard holds exactly tp=1's values."""
-    from .quant import Int8Rows
+def _compress_then_select(name: str, t: torch.Tensor, fmt: str, select: Optional[Select]):
+    """A weight held in groups (quant.Groups): quantized whole, then cut, so a
+    tensor-parallel shard holds exactly tp=1's values."""
+    from .quant import Groups
     index = () if select is None else select(name, tuple(t.shape))
     if index is None:
         return None
-    rows = Int8Rows.quantize(t)
-    return rows[index] if index else rows
+    g = Groups.quantize(t, fmt)
+    return g[index] if index else g
 
 
 def _release_freed_memory() -> None:
@@ -258,17 +258,20 @@ def _release_freed_memory() -> None:
     release_freed_memory()
 
 
+def _float_dtype(fmt: Optional[str], dtype: torch.dtype) -> torch.dtype:
+    return torch.float16 if fmt == "fp16" else dtype
+
+
 def load_weights(model_path: str, device: torch.device, dtype: torch.dtype,
                  select: Optional[Select] = None, quantization: str = "none") -> dict[str, Any]:
     """Every tensor, or with `select(name, shape)` -> a tuple of slices (() = whole,
     None = skip) only those parts: a tensor-parallel rank's shard (tp.py). Safetensors
     slices are read from the file as slices; GGUF tensors are dequantized whole, then cut.
-    quantization (a mode resolved by quant.resolve_mode): 'int8' - the tensors
-    quant.should_quantize names come back as quant.Int8Rows, each quantized whole then cut;
-    'fp16' - those tensors come back in float16 (the model packs them for FBGEMM)."""
-    from .quant import should_quantize
-    quantized = quantization == "int8"
-    half = lambda name: torch.float16 if quantization == "fp16" and should_quantize(name) else dtype  # noqa: E731
+    quantization (a mode resolved by quant.resolve_mode) gives each tensor the format
+    quant.target_format names: 'int4'/'int8' come back as quant.Groups (quantized whole,
+    then cut; a GGUF's Q4_0/Q4_1/Q8_0 blocks as stored), 'fp16' as float16 tensors (the
+    model packs them for FBGEMM)."""
+    from .quant import target_format
     if is_gguf(model_path):
         out = _load_gguf_weights(model_path, device, dtype, select, quantization)
         _release_freed_memory()
@@ -280,20 +283,18 @@ def load_weights(model_path: str, device: torch.device, dtype: torch.dtype,
             names = list(f.keys())
             with _progress(len(names), f"loading {os.path.basename(path)}") as bar:
                 for name in names:
-                    if quantized and should_quantize(name):
-                        t = _quantize_then_select(name, f.get_tensor(name), select)
-                        if t is not None:
-                            out[name] = t.to(device)
-                        bar.update()
-                        continue
-                    if select is None:
+                    part = f.get_slice(name)
+                    fmt = target_format(name, tuple(part.get_shape()), quantization)
+                    if fmt in ("int4", "int8"):
+                        t = _compress_then_select(name, f.get_tensor(name), fmt, select)
+                    elif select is None:
                         t = f.get_tensor(name)
                     else:
-                        part = f.get_slice(name)
                         index = select(name, tuple(part.get_shape()))
                         t = None if index is None else (part[index] if index else part[:])
                     if t is not None:
-                        out[name] = t.to(device=device, dtype=half(name))
+                        out[name] = t.to(device) if fmt in ("int4", "int8") else \
+                            t.to(device=device, dtype=_float_dtype(fmt, dtype))
                     bar.update()
     if quantization != "none":
         _release_freed_memory()
@@ -304,47 +305,60 @@ def _load_gguf_weights(model_path: str, device: torch.device, dtype: torch.dtype
                        select: Optional[Select] = None, quantization: str = "none") -> dict[str, Any]:
     from ..checkpoint.gguf_config import hf_config
     from ..checkpoint.gguf_file import open_gguf
-    from ..checkpoint.gguf_weights import iter_weights, weight_names
-    from .quant import should_quantize
-    from .quant.policy import log_gguf_conversions
+    from ..checkpoint.gguf_weights import hf_name, row_order, weight, weight_names
+    from .quant import Groups, target_format
+    from .quant.policy import AS_STORED, log_gguf_conversions
     g = open_gguf(model_path)
     raw = hf_config(g)
     heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]
-    quantized = quantization == "int8"
     if quantization != "none":
         log_gguf_conversions(g, quantization)
+    names = weight_names(g)
+    for n in names:
+        hf_name(n)  # refuse an unknown tensor before spending time on the others
     out: dict[str, Any] = {}
-    with _progress(len(weight_names(g)), f"dequantizing {os.path.basename(model_path)}") as bar:
-        for name, w in iter_weights(g, heads, kv_heads):
-            if quantized and should_quantize(name):
-                rows = _quantize_then_select(name, torch.from_numpy(w), select)
-                if rows is not None:
-                    out[name] = rows.to(device)
-                bar.update()
+    with _progress(len(names), f"reading {os.path.basename(model_path)}") as bar:
+        for n in names:
+            name, info = hf_name(n), g.tensors[n]
+            fmt = target_format(name, info.shape, quantization, info.type_name)
+            bar.update()
+            if fmt in ("int4", "int8") and AS_STORED.get(info.type_name) == fmt:
+                index = () if select is None else select(name, tuple(info.shape))
+                if index is not None:
+                    blocks = Groups.from_gguf(g.raw(n), info.type_name)
+                    order = row_order(g, n, heads, kv_heads)
+                    blocks = blocks if order is None else blocks[torch.from_numpy(order)]
+                    out[name] = blocks[index] if index else blocks
+                continue
+            w = weight(g, n, heads, kv_heads)
+            if fmt in ("int4", "int8"):
+                t = _compress_then_select(name, torch.from_numpy(w), fmt, select)
+                if t is not None:
+                    out[name] = t
                 continue
             index = () if select is None else select(name, tuple(w.shape))
             if index is not None:
                 w = w[index] if index else w
                 w = w.copy() if not w.flags.writeable or index else w  # mapped read-only; a slice: own it
-                kept = torch.float16 if quantization == "fp16" and should_quantize(name) else dtype
-                out[name] = torch.from_numpy(w).to(device=device, dtype=kept)
-            bar.update()
+                out[name] = torch.from_numpy(w).to(device=device, dtype=_float_dtype(fmt, dtype))
     return out
 
 
 def weight_bytes(model_path: str, dtype: torch.dtype, quantization: str = "none") -> int:
-    """Bytes the weights will take in `dtype` (from the file headers, nothing loaded);
-    with quantization='int8', the tensors quant.should_quantize names count one byte per
-    value plus a float32 scale per row ('fp16': two bytes per value), and a head tied to
-    the embedding a second copy (FBGEMM's packed one)."""
-    from .quant import should_quantize
+    """Bytes the weights will take (from the file headers, nothing loaded): each tensor in
+    the format quant.target_format gives it (quant.policy.format_bytes), and under fp16 a
+    head tied to the embedding a second copy (FBGEMM's packed one)."""
+    from .quant import target_format
+    from .quant.policy import format_bytes
     itemsize = torch.empty((), dtype=dtype).element_size()
     shapes: dict[str, tuple] = {}
+    stored: dict[str, str] = {}
     if is_gguf(model_path):
         from ..checkpoint.gguf_file import open_gguf
         from ..checkpoint.gguf_weights import hf_name, weight_names
         g = open_gguf(model_path)
-        shapes = {hf_name(n): g.tensors[n].shape for n in weight_names(g)}
+        for n in weight_names(g):
+            shapes[hf_name(n)], stored[hf_name(n)] = g.tensors[n].shape, g.tensors[n].type_name
     else:
         from safetensors import safe_open
         for path in weight_files(model_path):
@@ -353,18 +367,8 @@ def weight_bytes(model_path: str, dtype: torch.dtype, quantization: str = "none"
                     shapes[name] = tuple(f.get_slice(name).get_shape())
     total = 0
     for name, shape in shapes.items():
-        n = 1
-        for d in shape:
-            n *= d
-        quantized = quantization != "none" and should_quantize(name)
-        total += _quantized_bytes(shape, n, quantization) if quantized else n * itemsize
-    if quantization != "none" and "lm_head.weight" not in shapes and "model.embed_tokens.weight" in shapes:
-        shape = shapes["model.embed_tokens.weight"]  # the tied head's FBGEMM-packed copy
-        total += _quantized_bytes(shape, shape[0] * shape[1], quantization)
+        total += format_bytes(target_format(name, shape, quantization, stored.get(name)), shape, itemsize)
+    head = "model.embed_tokens.weight"
+    if quantization == "fp16" and "lm_head.weight" not in shapes and head in shapes:
+        total += format_bytes("fp16", shapes[head], itemsize)  # the tied head's FBGEMM-packed copy
     return total
-
-
-def _quantized_bytes(shape: tuple, n: int, quantization: str) -> int:
-    if quantization == "int8":
-        return n + 4 * shape[0]
-    return 2 * n if quantization == "fp16" else 0

@@ -74,7 +74,7 @@ class ModelRunner:
                  cuda_graph: bool = True, keep_logits: bool = False, quantization: str = "auto"):
         self.device = resolve_device(device)
         self.config: ModelConfig = load_config(model_path, dtype)
-        # --quantization: 'none', 'fp16' or 'int8' for this checkpoint and device (quant/policy.py)
+        # --quantization: 'none', 'fp16', 'int8' or 'int4' for this checkpoint and device (quant/policy.py)
         self.quantization = resolve_mode(quantization, model_path, self.device, deterministic)
         self.tp = tp  # --tp > 1: a tp_step.Leader, which tells the other ranks each step
         if tp is None:

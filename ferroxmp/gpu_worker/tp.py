@@ -121,7 +121,7 @@ class Shard:
         """The last vocabulary shard, padded with zero rows to ceil(V/N) (all-gather needs
         equal shards; the padding's logits are cut off after the gather)."""
         missing = self.vocab_rows - w.shape[0]
-        if not isinstance(w, torch.Tensor):  # quant.Int8Rows
+        if not isinstance(w, torch.Tensor):  # quant.Groups
             return w.pad_rows(missing)
         return w if missing == 0 else torch.cat([w, w.new_zeros(missing, *w.shape[1:])])
 
@@ -172,7 +172,7 @@ class TPGroup:
 
     def embed(self, ids: torch.Tensor, table, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         """Vocab-parallel lookup: rows this rank does not hold count as zeros, then sum
-        (`table`: float, or quant.Int8Rows read row by row)."""
+        (`table`: float, or quant.Groups read row by row)."""
         from .models.llama import embedding
         outside = (ids < lo) | (ids >= hi)
         h = embedding((ids - lo).masked_fill(outside, 0), table, dtype)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..attention import AttentionBackend
 from ..loader import ModelConfig
-from ..quant import Int8Rows, cat_rows
+from ..quant import Groups, cat_rows
 from ..quant import linear as quant_linear
 from ..quant import pack as quant_pack
 from ..quant.packed import release_freed_memory
@@ -52,8 +52,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 def embedding(ids: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of the embedding table in `dtype` (float, float16 kept by --quantization
-    fp16, or int8 dequantized row by row)."""
-    return table.lookup(ids, dtype) if isinstance(table, Int8Rows) else F.embedding(ids, table).to(dtype)
+    fp16, or Groups dequantized row by row)."""
+    return table.lookup(ids, dtype) if isinstance(table, Groups) else F.embedding(ids, table).to(dtype)
 
 
 @dataclass
@@ -78,7 +78,7 @@ class DecoderLM:
         # `linear` - a batch-invariant matmul in deterministic mode; `reduce_sum` - the
         # all-reduce after row-parallel layers under tensor parallelism (identity at tp=1);
         # `gather_vocab` - joins vocab-parallel logits (identity at tp=1).
-        self.linear = quant_linear  # F.linear for float weights; FBGEMM for quant.PackedInt8
+        self.linear = quant_linear  # F.linear for float weights; the weight's kernel for quant's forms
         self.reduce_sum = lambda x: x
         self.gather_vocab = lambda x: x
         # `embed_ids` - a vocab-parallel lookup under tensor parallelism.
@@ -112,8 +112,9 @@ class DecoderLM:
                 w_gate_up=pack(cat_rows([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])),
                 w_down=pack(take(m + "down_proj.weight"))))
         self.norm = take("model.norm.weight")
-        # Quantized: the embedding stays Int8Rows (read row by row), the head is packed for
-        # FBGEMM (a tied head: a second, packed copy of the same int8 values).
+        # Quantized: the embedding stays Groups (read row by row) and a tied head multiplies
+        # by the same object; under fp16 the head is packed for FBGEMM (a tied head: a
+        # second, packed copy of the float16 values).
         self.lm_head = pack(self.embed if cfg.tie_word_embeddings else weights.pop("lm_head.weight", self.embed))
         # One float32 table for every position, indexed per step (same bits as computing
         # position * inv_freq on the fly, as transformers does).
@@ -129,7 +130,7 @@ class DecoderLM:
 
     def weight_bytes(self) -> dict[str, int]:
         """Resident bytes of every weight this model holds, by format (a tensor shared by
-        the embedding and a tied head counts once; int8: values + per-row scales)."""
+        the embedding and a tied head counts once; Groups: values + per-group scales)."""
         from ..quant import tensor_bytes
         held = [self.embed, self.lm_head, self.norm] + [
             t for L in self.layers for t in (L.in_norm, L.post_norm, L.w_qkv, L.b_qkv, L.w_o, L.b_o,

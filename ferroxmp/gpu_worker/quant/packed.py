@@ -1,50 +1,19 @@
-"""PackedInt8: an Int8Rows packed for FBGEMM's weight-int8 linear, called like F.linear.
+"""PackedF16: a float16 weight packed for FBGEMM's fp16 GEMM, called like F.linear.
 
-Job: hold the packed weight (torch's `quantized::linear_prepack` over a per-channel
-qint8 tensor: FBGEMM on x86) and run `quantized::linear_dynamic`, which quantizes the
-activations of each call to uint8 (one scale per call, reduce_range as FBGEMM asks on
-x86) and accumulates in int32; the output is float32, cast back to the input's dtype.
-`linear(x, w, b)` is the one dispatch DecoderLM uses: a float tensor goes to F.linear.
+Job: hold the packed weight and run `quantized::linear_dynamic_fp16`; `pack` decides
+which form a loaded weight takes, and `linear(x, w, b)` is the one dispatch DecoderLM
+uses (a float tensor goes to F.linear, anything else is called: PackedF16, Groups).
 
-Invariants: `nbytes` counts the int8 values and the per-row scales (what the weight
-costs resident; FBGEMM's packed copy holds the same bytes in its own layout, and the
-Int8Rows it came from is dropped unless the embedding lookup keeps it); CPU only (the
-caller falls back to float on CUDA: policy.resolve_mode).
+Invariants: `nbytes` counts the float16 values (FBGEMM's packed copy holds the same
+bytes in its own layout); CPU only (policy.resolve_mode refuses fp16 elsewhere).
 """
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from .rows import Int8Rows
-
-
-class PackedInt8:
-    format = "int8"
-
-    def __init__(self, rows: Int8Rows):
-        if rows.q.device.type != "cpu":
-            raise RuntimeError("int8 weights run through FBGEMM, which is CPU only")
-        with warnings.catch_warnings():  # torch marks per-channel quantized tensors deprecated
-            warnings.simplefilter("ignore")
-            qw = torch._make_per_channel_quantized_tensor(
-                rows.q, rows.scale.double(), torch.zeros(rows.q.shape[0], dtype=torch.long), 0)
-            self.packed = torch.ops.quantized.linear_prepack(qw, None)
-        self.out_features, self.in_features = rows.q.shape
-        self.nbytes = rows.nbytes
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.out_features, self.in_features))
-
-    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        y = torch.ops.quantized.linear_dynamic(x.float().contiguous(), self.packed, True)
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype)
 
 
 class PackedF16:
@@ -72,10 +41,9 @@ class PackedF16:
 
 
 def pack(w, model_dtype: torch.dtype):
-    """A weight in the form its kernel wants: Int8Rows -> PackedInt8; a float16 tensor in
-    a model that computes in another dtype (--quantization fp16) -> PackedF16; else as is."""
-    if isinstance(w, Int8Rows):
-        return PackedInt8(w)
+    """A weight in the form its kernel wants: a float16 tensor in a model that computes in
+    another dtype (--quantization fp16) -> PackedF16; else as is (Groups are their own
+    kernel's layout)."""
     if isinstance(w, torch.Tensor) and w.dtype == torch.float16 and model_dtype != torch.float16:
         return PackedF16(w)
     return w
@@ -93,7 +61,7 @@ def release_freed_memory() -> None:
 
 
 def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear for a float weight; the packed kernel for a PackedInt8."""
+    """F.linear for a float weight; the weight's own kernel otherwise (PackedF16, Groups)."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
     return w(x, bias)

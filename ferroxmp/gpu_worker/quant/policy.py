@@ -1,38 +1,43 @@
-"""Which weights are kept compressed, under which mode, and what they cost in memory.
+"""Which weights are kept compressed, in which format, and what they cost in memory.
 
 Modes (--quantization):
-- auto: a GGUF file stored block-quantized (Q4_1, Q6_K...) is kept compressed as fp16
-  on CPU; a float GGUF or a Hugging Face folder stays as --dtype says; on CUDA, or under --deterministic, everything is float as before
-  (FBGEMM is CPU only, and its batch invariance is unverified).
+- auto: a GGUF file stored block-quantized (Q4_1, Q6_K...) is kept as fp16 on CPU (the
+  fastest here: docs/BENCHMARKS.md 18); a float GGUF or a Hugging Face folder stays as
+  --dtype says; on CUDA, or under --deterministic, everything is float.
 - none: float, a GGUF dequantized at load (the reference path).
-- fp16: weights in float16 through FBGEMM's fp16 GEMM, activations float32. Measured on
-  SmolLM2 Q4_1: greedy tokens equal to `none` on a fixed prompt set (tests/test_quant_model.py).
-- int8: int8 weights (one float32 scale per output row) through FBGEMM's dynamic int8
-  GEMM, which ALSO quantizes each call's activations to uint8 (one scale per call).
-  Fastest, but lossy on small models with outlier activations: on SmolLM2 it changes
-  greedy answers from the first tokens (docs/BENCHMARKS.md); use it knowingly.
-fp16 and int8 are refused by name on CUDA and with --deterministic.
+- fp16: weights in float16 through FBGEMM's fp16 GEMM, activations float32.
+- int4: weights in groups of 32 (groups.py), activations float32. The projections are
+  int4; the embedding and the LM head int8 (their error reaches every logit). A GGUF
+  keeps its Q4_0/Q4_1 and Q8_0 tensors as stored (same values) and converts every other
+  block type (Q5_*, K-quants...) to int8, the nearest format with a kernel that holds
+  their values to within 1/254 of a group's range.
+- int8: every compressed tensor int8 in groups of 32 (a GGUF's Q8_0 as stored).
+A tensor whose rows are not a multiple of 32 wide stays float. fp16/int4/int8 are refused
+by name on CUDA and with --deterministic, int4/int8 also where their kernels cannot be
+built (native.py).
 
 Compressed tensors: every attention and MLP projection, the LM head and the embedding
-table (fp16: a float16 table, each looked-up row widened; int8: Int8Rows, each row
-dequantized). A head tied to the embedding gets its own FBGEMM-packed copy, so a tied
-vocabulary costs 2 x its compressed size (still under float32's one copy). Norms and
-biases stay float.
+table. fp16 packs a tied head as its own FBGEMM copy (2 x the table); int4/int8 multiply
+by the embedding's own groups (one copy). Norms and biases stay float.
 
 Invariants: `resolve_mode` never returns a mode the device cannot run; `tensor_bytes`
-adds up exactly the bytes the model holds (tested against the tensors themselves).
+adds up exactly the bytes the model holds (tested against the tensors themselves), and
+`stored_bytes` predicts it from the file headers alone.
 """
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
 from ...checkpoint import is_gguf
 
-MODES = ("auto", "none", "fp16", "int8")
+MODES = ("auto", "none", "fp16", "int8", "int4")
 QUANTIZED_SUFFIXES = ("_proj.weight", "model.embed_tokens.weight", "lm_head.weight")
+TABLES = ("model.embed_tokens.weight", "lm_head.weight")
+FLOAT_TYPES = ("F32", "F16", "BF16")
+AS_STORED = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}  # GGUF types groups.py reads unchanged
 
 
 class QuantizationRefused(ValueError):
@@ -40,16 +45,22 @@ class QuantizationRefused(ValueError):
 
 
 def resolve_mode(requested: str, model_path: str, device: torch.device, deterministic: bool = False) -> str:
-    """'none', 'fp16' or 'int8' for this checkpoint on this device."""
+    """'none', 'fp16', 'int8' or 'int4' for this checkpoint on this device."""
     if requested not in MODES:
         raise QuantizationRefused(f"--quantization {requested!r} is not one of {', '.join(MODES)}")
-    if requested in ("fp16", "int8"):
+    if requested in ("fp16", "int8", "int4"):
         if device.type != "cpu":
-            raise QuantizationRefused(f"--quantization {requested} runs through FBGEMM, which is CPU only; "
+            raise QuantizationRefused(f"--quantization {requested} runs through CPU kernels only; "
                                       f"on {device.type} use --quantization none")
         if deterministic:
-            raise QuantizationRefused(f"--quantization {requested} with --deterministic: FBGEMM's kernels "
-                                      "are not verified batch-invariant; use --quantization none")
+            raise QuantizationRefused(f"--quantization {requested} with --deterministic: its kernels are not "
+                                      "batch-invariant (a prefill chunk takes another path than a decode row); "
+                                      "use --quantization none")
+        if requested != "fp16":
+            from .native import available
+            why = available()
+            if why is not None:
+                raise QuantizationRefused(f"--quantization {requested}: {why}")
         return requested
     if requested == "auto" and device.type == "cpu" and not deterministic and block_quantized_gguf(model_path):
         return "fp16"
@@ -65,7 +76,7 @@ def block_quantized_gguf(model_path: str) -> bool:
     from ...checkpoint.gguf_file import open_gguf
     from ...checkpoint.gguf_weights import hf_name, weight_names
     g = open_gguf(model_path)
-    return any(g.tensors[n].type_name not in ("F32", "F16", "BF16")
+    return any(g.tensors[n].type_name not in FLOAT_TYPES
                for n in weight_names(g) if should_quantize(hf_name(n)))
 
 
@@ -73,15 +84,44 @@ def should_quantize(name: str) -> bool:
     return name.endswith(QUANTIZED_SUFFIXES)
 
 
+def target_format(name: str, shape: tuple, mode: str, stored: Optional[str] = None) -> Optional[str]:
+    """The format tensor `name` is held in under `mode` ('fp16', 'int8', 'int4'), or None
+    for the model's float dtype. `stored`: its GGUF type name (None for a float folder)."""
+    if mode == "none" or not should_quantize(name):
+        return None
+    if mode == "fp16":
+        return "fp16"
+    if len(shape) != 2 or shape[1] % 32:
+        return None
+    if mode == "int8":
+        return "int8"
+    if stored in AS_STORED:
+        return AS_STORED[stored]
+    if stored is not None and stored not in FLOAT_TYPES:
+        return "int8"
+    return "int8" if name.endswith(TABLES) else "int4"
+
+
+def format_bytes(fmt: Optional[str], shape: tuple, itemsize: int) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    if fmt == "int4":
+        return n // 2 + 4 * (n // 32)  # two values a byte; float16 d and m per group
+    if fmt == "int8":
+        return n + 2 * (n // 32)
+    return n * (2 if fmt == "fp16" else itemsize)
+
+
 def tensor_bytes(tensors: Iterable) -> dict[str, int]:
-    """Resident bytes by format ('int8' or a float dtype's name) of weights and biases."""
+    """Resident bytes by format ('int4', 'int8' or a float dtype's name) of weights and biases."""
     out: Counter = Counter()
     for t in tensors:
         if t is None:
             continue
         if isinstance(t, torch.Tensor):
             out[str(t.dtype).removeprefix("torch.")] += t.numel() * t.element_size()
-        else:  # Int8Rows (values + per-row scales), PackedInt8, PackedF16
+        else:  # Groups, PackedF16
             out[t.format] += t.nbytes
     return dict(out)
 
@@ -96,10 +136,18 @@ def log_gguf_conversions(g, mode: str) -> None:
     import logging
 
     from ...checkpoint.gguf_weights import hf_name, weight_names
-    counts: Counter = Counter(g.tensors[n].type_name for n in weight_names(g) if should_quantize(hf_name(n)))
-    what = {"fp16": "float16 (FBGEMM fp16 GEMM, float32 activations)",
-            "int8": "int8 with a float32 scale per row (FBGEMM dynamic int8 GEMM)"}[mode]
     log = logging.getLogger("ferroxmp.worker")
-    for type_name, n in sorted(counts.items()):
-        log.info("GGUF %s: %d tensors -> %s; torch's int4/int8 weight-only CPU kernels measured slower "
-                 "than float32 here (tools/bench_quant.py)", type_name, n, what)
+    seen: Counter = Counter()
+    for n in weight_names(g):
+        info = g.tensors[n]
+        fmt = target_format(hf_name(n), info.shape, mode, info.type_name)
+        if fmt is not None:
+            seen[(info.type_name, fmt)] += 1
+    for (type_name, fmt), count in sorted(seen.items()):
+        if fmt == "fp16":
+            how = "float16 (FBGEMM fp16 GEMM, float32 activations)"
+        elif AS_STORED.get(type_name) == fmt:
+            how = f"{fmt} in groups of 32, as stored"
+        else:
+            how = f"{fmt} in groups of 32 (dequantized, then requantized: {type_name} is not read as stored)"
+        log.info("GGUF %s: %d tensors -> %s", type_name, count, how)

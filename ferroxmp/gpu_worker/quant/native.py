@@ -1,0 +1,90 @@
+"""The compiled kernels of groups.c, built at first use with the machine's C compiler.
+
+Job: find or build the shared library for this CPU and load it (ctypes); say in one
+sentence why not when it cannot (no compiler, a CPU without AVX2/FMA/F16C, a build error),
+so --quantization int4/int8 is refused by name instead of failing in a step.
+
+Why a compile at first use and not a wheel: the kernels are built for the CPU they run on
+(-march=native: AVX-512 where it exists), and a C file builds in about a second with
+no torch headers. The library is cached under $FERROXMP_CACHE (default
+~/.cache/ferroxmp)/kernels, keyed by the source, the flags and the CPU's flags, and
+written by rename so that concurrent workers never load half a file.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "groups.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
+
+
+class NativeUnavailable(RuntimeError):
+    """The kernels cannot run here; the message says why."""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cache_dir() -> str:
+    root = os.environ.get("FERROXMP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ferroxmp")
+    return os.path.join(root, "kernels")
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL:
+    """The loaded kernels; raises NativeUnavailable with the reason."""
+    import torch  # noqa: F401  (torch's OpenMP runtime first: the library then shares it)
+    flags = _cpu_flags()
+    missing = [f for f in NEEDED_CPU_FLAGS if f not in flags]
+    if missing:
+        raise NativeUnavailable(f"the int4/int8 kernels need an x86 CPU with {', '.join(NEEDED_CPU_FLAGS)}; "
+                                f"this one lacks {', '.join(missing) or 'them'}")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise NativeUnavailable("the int4/int8 kernels are compiled at first use and no C compiler was found "
+                                "(install gcc, or set CC)")
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + " ".join(sorted(flags)).encode()).hexdigest()[:16]
+    path = os.path.join(cache_dir(), f"groups-{key}.so")
+    if not os.path.exists(path):
+        os.makedirs(cache_dir(), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir())
+        os.close(fd)
+        try:
+            done = subprocess.run([compiler, *FLAGS, SOURCE, "-o", tmp], capture_output=True, text=True,
+                                  timeout=120)
+            if done.returncode != 0:
+                raise NativeUnavailable(f"compiling the int4/int8 kernels failed: {done.stderr.strip()[-500:]}")
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(path)
+    for name in ("int4_mm", "int8_mm", "int4_dequant", "int8_dequant"):
+        getattr(lib, name).restype = None
+    return lib
+
+
+def available() -> str | None:
+    """None when the kernels load here, else the reason they do not."""
+    try:
+        library()
+        return None
+    except NativeUnavailable as e:
+        return str(e)
