@@ -7,8 +7,9 @@ Kernels: torch's `_weight_int4pack_mm_for_cpu` (int4, groups of 32, scale + zero
 group: GGUF Q4_0/Q4_1 map onto it exactly: scale = d, zero = m + 8d for q - 8, checked
 against the dequantized float), `_weight_int8pack_mm` (int8 weights, one scale per output
 row, float activations), FBGEMM's `quantized::linear_dynamic_fp16` (fp16 weights, float32
-activations) and `quantized::linear_dynamic` (int8 weights per row AND activations
-quantized to uint8 per call: W8A8). Each cell is the median of `repeats` rounds; the kernels alternate
+activations), `quantized::linear_dynamic` (int8 weights per row AND activations
+quantized to uint8 per call: W8A8), and ferroxmp's own groups of 32 (quant/groups.c,
+float32 activations: `grp-int4` = GGUF Q4_1's layout, `grp-int8` = Q8_0's). Each cell is the median of `repeats` rounds; the kernels alternate
 inside a round so that load from other processes hits them alike. Prints one table
 (ms per call and the speed-up over float32). On a shared box, label the figures
 contaminated.
@@ -39,11 +40,14 @@ def kernels(n: int, k: int, group: int = 32):
         qw = torch._make_per_channel_quantized_tensor(q8, s8.double(), torch.zeros(n, dtype=torch.long), 0)
     fb8 = torch.ops.quantized.linear_prepack(qw, None)
     fb16 = torch.ops.quantized.linear_prepack_fp16(w, None)
+    from ferroxmp.gpu_worker.quant import Groups
+    g4, g8 = Groups.quantize(w, "int4"), Groups.quantize(w, "int8")
     return {"f32": lambda x: F.linear(x, w),
             "int8": lambda x: torch.ops.aten._weight_int8pack_mm(x, q8, s8),
             "int4": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz),
             "fb-fp16": lambda x: torch.ops.quantized.linear_dynamic_fp16(x, fb16),
-            "fb-w8a8": lambda x: torch.ops.quantized.linear_dynamic(x, fb8, True)}
+            "fb-w8a8": lambda x: torch.ops.quantized.linear_dynamic(x, fb8, True),
+            "grp-int4": g4, "grp-int8": g8}
 
 
 def timed(fn, x, calls: int) -> float:
@@ -61,7 +65,7 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     print(f"threads={a.threads} repeats={a.repeats} (median ms per call; x = speed-up over f32)")
-    names = ["f32", "int8", "int4", "fb-fp16", "fb-w8a8"]
+    names = ["f32", "int8", "int4", "fb-fp16", "fb-w8a8", "grp-int4", "grp-int8"]
     print(f"{'shape':<18} {'M':>4} " + " ".join(f"{n:>8}" for n in names) + " " +
           " ".join(f"{n + ' x':>9}" for n in names[1:]))
     with torch.inference_mode():

@@ -31,10 +31,14 @@ import signal
 import sys
 from typing import Optional
 
-# OpenMP reads its wait policy once, when torch loads it. PASSIVE: an idle intra-op
-# thread sleeps instead of spinning; with other processes on the same cores the default
-# (spin) gave 0.38x the output tok/s (docs/BENCHMARKS.md section 9). Set it to override.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP reads its wait policy once, when torch loads it. A thread that finishes its part
+# of an op spins GOMP_SPINCOUNT rounds (~tens of microseconds) for the next op, then
+# sleeps: a decode step is ~600 small ops with Python between them, and sleeping at
+# once (PASSIVE) added ~10 ms to every batch-1 step (14 -> 25 ms, docs/BENCHMARKS.md
+# section 18), while spinning for ever (ACTIVE, or libgomp's default 300,000 rounds
+# under load) takes a core from the processes beside it (section 9). Set either to override.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 import torch  # noqa: E402
 import zmq  # noqa: E402
