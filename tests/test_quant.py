@@ -127,6 +127,28 @@ def test_each_gguf_type_kept_in_groups_equals_or_rounds_its_dequantized_weights(
     assert checked >= 7
 
 
+def test_the_avx2_build_of_the_kernels_computes_what_the_native_one_does(tmp_path):
+    """On an AVX-512 machine the native build never runs the AVX2 code; a haswell build
+    in a subprocess (its own cache) must meet the same bounds at 1, 3 and 40 rows."""
+    import os
+    import subprocess
+    import sys
+    code = ("import torch, torch.nn.functional as F\n"
+            "from ferroxmp.gpu_worker.quant import Groups\n"
+            "torch.manual_seed(0)\n"
+            "for fmt in ('int4', 'int8'):\n"
+            "    g = Groups.quantize(torch.randn(96, 320), fmt); w = g.dequantize()\n"
+            "    for rows in (1, 3, 40):\n"
+            "        x = torch.randn(rows, 320)\n"
+            "        bound = 16 * 320 * 2.0 ** -24 * (x.abs() @ w.abs().T + x.abs().sum(1, keepdim=True))\n"
+            "        assert ((g(x) - F.linear(x, w)).abs() <= bound).all(), (fmt, rows)\n"
+            "print('ok')\n")
+    env = {**os.environ, "FERROXMP_KERNEL_MARCH": "haswell", "FERROXMP_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+    assert os.listdir(tmp_path / "kernels"), "the build was not cached where FERROXMP_CACHE says"
+
+
 def test_groups_cut_and_fused_hold_the_same_values_and_a_cut_inside_a_group_is_refused():
     g = Groups.quantize(torch.randn(96, 128), "int4")
     deq = g.dequantize()

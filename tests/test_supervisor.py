@@ -78,7 +78,10 @@ def running(url: str) -> float:
 
 
 def test_sigterm_drains_running_requests_and_refuses_new_ones(tiny_models):
-    srv = ServerProcess(tiny_models["llama"], *FLAGS, "--shutdown-grace", "120")
+    # Each step burns 5 ms per input token, so 600 tokens of 3 rows take ~9 s: the drain
+    # must still be running when the late request comes (a fast step drained in 0.5 s).
+    srv = ServerProcess(tiny_models["llama"], *FLAGS, "--shutdown-grace", "120",
+                        env={"FERROXMP_FAULT_INJECT": "forward_busy_per_token=0.005"})
     try:
         results: list = []
 

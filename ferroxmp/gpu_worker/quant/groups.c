@@ -6,8 +6,9 @@
            without a change of values;
      int8: w = q * d, q in -127..127 (GGUF's Q8_0).
    d, m: float16. Per output: the sum over groups of d * (q . x) (+ m * sum(x) for int4),
-   each group's dot product in float32 lanes: the order of the sum depends on K only,
-   never on M or on the other rows (a row's output is the same in any batch).
+   each group's dot product in float32 lanes. The order of the sum depends on K and on
+   the path (one activation row, 2-32 rows, or more: widened), never on the values of
+   the other rows.
 
    Why our own kernel: torch's _weight_int4pack_mm_for_cpu / _weight_int8pack_mm measured
    0.01-0.85x of float32 F.linear on this CPU (tools/bench_quant.py); this one unpacks a
@@ -87,6 +88,38 @@ static inline void row_int4(int K, const float* x, const float* xs, int r0, int 
   for (int i = 0; i < mb; i++) y[(int64_t)(r0 + i) * N + n] = hsum(acc[i]) + macc[i];
 }
 
+/* One activation row (decode at batch 1), the hot case: two groups per iteration into
+   two accumulators (independent chains), the m term as one dot product of the row's mins
+   with the groups' sums after the loop instead of a scalar step per group. */
+static inline float row_int4_one(int K, const float* x, const float* xs, const uint8_t* qr,
+                                 const uint16_t* dr, const uint16_t* mr) {
+  int G = K / 32, g = 0;
+  VEC a0 = VZERO, a1 = VZERO;
+  for (; g + 1 < G; g += 2) {
+    VEC w[NV], u[NV];
+    int4_unpack(qr + g * 16, w);
+    int4_unpack(qr + g * 16 + 16, u);
+    const float* xb = x + g * 32;
+    VEC t = VMUL(w[0], VLOAD(xb)), s = VMUL(u[0], VLOAD(xb + 32));
+    for (int v = 1; v < NV; v++) {
+      t = VFMA(w[v], VLOAD(xb + v * LANES), t);
+      s = VFMA(u[v], VLOAD(xb + 32 + v * LANES), s);
+    }
+    a0 = VFMA(VSET1(h2f(dr[g])), t, a0);
+    a1 = VFMA(VSET1(h2f(dr[g + 1])), s, a1);
+  }
+  if (g < G) {
+    VEC w[NV]; int4_unpack(qr + g * 16, w);
+    const float* xb = x + g * 32;
+    VEC t = VMUL(w[0], VLOAD(xb));
+    for (int v = 1; v < NV; v++) t = VFMA(w[v], VLOAD(xb + v * LANES), t);
+    a0 = VFMA(VSET1(h2f(dr[g])), t, a0);
+  }
+  float mterm = 0;
+  for (int i = 0; i < G; i++) mterm += h2f(mr[i]) * xs[i];
+  return hsum(a0) + hsum(a1) + mterm;
+}
+
 void int4_mm(int M, int N, int K, const float* x, const uint8_t* q, const uint16_t* d,
              const uint16_t* m, float* xs, float* y) {
   int G = K / 32;  /* xs: caller's [M, G] scratch for the groups' sums of x (the m term) */
@@ -96,6 +129,12 @@ void int4_mm(int M, int N, int K, const float* x, const uint8_t* q, const uint16
       for (int j = 0; j < 32; j++) s += x[(int64_t)r * K + g * 32 + j];
       xs[r * G + g] = s;
     }
+  if (M == 1) {
+    #pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++)
+      y[n] = row_int4_one(K, x, xs, q + (int64_t)n * (K / 2), d + (int64_t)n * G, m + (int64_t)n * G);
+    return;
+  }
   #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; n++)
     for (int r0 = 0; r0 < M; r0 += MB) {
@@ -125,8 +164,40 @@ static inline void row_int8(int K, const float* x, int r0, int mb, const int8_t*
   for (int i = 0; i < mb; i++) y[(int64_t)(r0 + i) * N + n] = hsum(acc[i]);
 }
 
+static inline float row_int8_one(int K, const float* x, const int8_t* qr, const uint16_t* dr) {
+  int G = K / 32, g = 0;  /* as row_int4_one: two groups per iteration, two chains */
+  VEC a0 = VZERO, a1 = VZERO;
+  for (; g + 1 < G; g += 2) {
+    VEC w[NV], u[NV];
+    int8_unpack(qr + g * 32, w);
+    int8_unpack(qr + g * 32 + 32, u);
+    const float* xb = x + g * 32;
+    VEC t = VMUL(w[0], VLOAD(xb)), s = VMUL(u[0], VLOAD(xb + 32));
+    for (int v = 1; v < NV; v++) {
+      t = VFMA(w[v], VLOAD(xb + v * LANES), t);
+      s = VFMA(u[v], VLOAD(xb + 32 + v * LANES), s);
+    }
+    a0 = VFMA(VSET1(h2f(dr[g])), t, a0);
+    a1 = VFMA(VSET1(h2f(dr[g + 1])), s, a1);
+  }
+  if (g < G) {
+    VEC w[NV]; int8_unpack(qr + g * 32, w);
+    const float* xb = x + g * 32;
+    VEC t = VMUL(w[0], VLOAD(xb));
+    for (int v = 1; v < NV; v++) t = VFMA(w[v], VLOAD(xb + v * LANES), t);
+    a0 = VFMA(VSET1(h2f(dr[g])), t, a0);
+  }
+  return hsum(a0) + hsum(a1);
+}
+
 void int8_mm(int M, int N, int K, const float* x, const int8_t* q, const uint16_t* d, float* y) {
   int G = K / 32;
+  if (M == 1) {
+    #pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++)
+      y[n] = row_int8_one(K, x, q + (int64_t)n * K, d + (int64_t)n * G);
+    return;
+  }
   #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; n++)
     for (int r0 = 0; r0 < M; r0 += MB) {

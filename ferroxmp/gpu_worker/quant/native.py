@@ -21,7 +21,8 @@ import subprocess
 import tempfile
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "groups.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+# FERROXMP_KERNEL_MARCH: another -march (e.g. haswell: the AVX2 code on an AVX-512 CPU)
+FLAGS = ["-O3", f"-march={os.environ.get('FERROXMP_KERNEL_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC"]
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
 
 
