@@ -89,16 +89,19 @@ static inline void row_int4(int K, const float* x, const float* xs, int r0, int 
 }
 
 /* One activation row (decode at batch 1), the hot case: two groups per iteration into
-   two accumulators (independent chains), the m term as one dot product of the row's mins
-   with the groups' sums after the loop instead of a scalar step per group. */
-static inline float row_int4_one(int K, const float* x, const float* xs, const uint8_t* qr,
-                                 const uint16_t* dr, const uint16_t* mr) {
+   two accumulators (independent chains). `unpack` is int4_unpack or int8_unpack (a
+   constant at each call: the compiler inlines it), `gbytes` a group's bytes. Returns
+   sum_g d * (q . x); the int4 min term is added by the caller as one dot product of the
+   row's mins with the groups' sums instead of a scalar step per group. */
+typedef void (*unpack_fn)(const void*, VEC*);
+static inline float row_one(int K, const float* x, const uint8_t* qr, int gbytes, unpack_fn unpack,
+                            const uint16_t* dr) {
   int G = K / 32, g = 0;
   VEC a0 = VZERO, a1 = VZERO;
   for (; g + 1 < G; g += 2) {
     VEC w[NV], u[NV];
-    int4_unpack(qr + g * 16, w);
-    int4_unpack(qr + g * 16 + 16, u);
+    unpack(qr + g * gbytes, w);
+    unpack(qr + (g + 1) * gbytes, u);
     const float* xb = x + g * 32;
     VEC t = VMUL(w[0], VLOAD(xb)), s = VMUL(u[0], VLOAD(xb + 32));
     for (int v = 1; v < NV; v++) {
@@ -109,15 +112,19 @@ static inline float row_int4_one(int K, const float* x, const float* xs, const u
     a1 = VFMA(VSET1(h2f(dr[g + 1])), s, a1);
   }
   if (g < G) {
-    VEC w[NV]; int4_unpack(qr + g * 16, w);
+    VEC w[NV]; unpack(qr + g * gbytes, w);
     const float* xb = x + g * 32;
     VEC t = VMUL(w[0], VLOAD(xb));
     for (int v = 1; v < NV; v++) t = VFMA(w[v], VLOAD(xb + v * LANES), t);
     a0 = VFMA(VSET1(h2f(dr[g])), t, a0);
   }
-  float mterm = 0;
-  for (int i = 0; i < G; i++) mterm += h2f(mr[i]) * xs[i];
-  return hsum(a0) + hsum(a1) + mterm;
+  return hsum(a0) + hsum(a1);
+}
+
+static inline float min_term(int G, const uint16_t* mr, const float* xs) {
+  float s = 0;
+  for (int i = 0; i < G; i++) s += h2f(mr[i]) * xs[i];
+  return s;
 }
 
 void int4_mm(int M, int N, int K, const float* x, const uint8_t* q, const uint16_t* d,
@@ -132,7 +139,8 @@ void int4_mm(int M, int N, int K, const float* x, const uint8_t* q, const uint16
   if (M == 1) {
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++)
-      y[n] = row_int4_one(K, x, xs, q + (int64_t)n * (K / 2), d + (int64_t)n * G, m + (int64_t)n * G);
+      y[n] = row_one(K, x, q + (int64_t)n * (K / 2), 16, (unpack_fn)int4_unpack, d + (int64_t)n * G) +
+             min_term(G, m + (int64_t)n * G, xs);
     return;
   }
   #pragma omp parallel for schedule(static)
@@ -164,38 +172,12 @@ static inline void row_int8(int K, const float* x, int r0, int mb, const int8_t*
   for (int i = 0; i < mb; i++) y[(int64_t)(r0 + i) * N + n] = hsum(acc[i]);
 }
 
-static inline float row_int8_one(int K, const float* x, const int8_t* qr, const uint16_t* dr) {
-  int G = K / 32, g = 0;  /* as row_int4_one: two groups per iteration, two chains */
-  VEC a0 = VZERO, a1 = VZERO;
-  for (; g + 1 < G; g += 2) {
-    VEC w[NV], u[NV];
-    int8_unpack(qr + g * 32, w);
-    int8_unpack(qr + g * 32 + 32, u);
-    const float* xb = x + g * 32;
-    VEC t = VMUL(w[0], VLOAD(xb)), s = VMUL(u[0], VLOAD(xb + 32));
-    for (int v = 1; v < NV; v++) {
-      t = VFMA(w[v], VLOAD(xb + v * LANES), t);
-      s = VFMA(u[v], VLOAD(xb + 32 + v * LANES), s);
-    }
-    a0 = VFMA(VSET1(h2f(dr[g])), t, a0);
-    a1 = VFMA(VSET1(h2f(dr[g + 1])), s, a1);
-  }
-  if (g < G) {
-    VEC w[NV]; int8_unpack(qr + g * 32, w);
-    const float* xb = x + g * 32;
-    VEC t = VMUL(w[0], VLOAD(xb));
-    for (int v = 1; v < NV; v++) t = VFMA(w[v], VLOAD(xb + v * LANES), t);
-    a0 = VFMA(VSET1(h2f(dr[g])), t, a0);
-  }
-  return hsum(a0) + hsum(a1);
-}
-
 void int8_mm(int M, int N, int K, const float* x, const int8_t* q, const uint16_t* d, float* y) {
   int G = K / 32;
   if (M == 1) {
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++)
-      y[n] = row_int8_one(K, x, q + (int64_t)n * K, d + (int64_t)n * G);
+      y[n] = row_one(K, x, (const uint8_t*)q + (int64_t)n * K, 32, (unpack_fn)int8_unpack, d + (int64_t)n * G);
     return;
   }
   #pragma omp parallel for schedule(static)
