@@ -88,10 +88,11 @@ def _step_bound(g: Groups) -> torch.Tensor:
 
 
 def _check_matmul(g: Groups, deq: torch.Tensor, name: str) -> None:
-    """The kernel (1 and 5 rows) and the widened path (40 rows) against F.linear over the
-    dequantized weight, within the float32 summation bound."""
+    """The kernel (one row; blocks of 3, 5, 8 + 5 and 5 x 8 rows) and the widened path (90
+    rows, above DEQUANT_ROWS) against F.linear over the dequantized weight, within the
+    float32 summation bound."""
     k = deq.shape[1]
-    for rows in (1, 5, 40):
+    for rows in (1, 3, 5, 13, 40, 90):
         x = _x(k, rows)
         bound = 16 * k * 2.0 ** -24 * (x.abs() @ deq.abs().T + x.abs().sum(1, keepdim=True)) + 1e-30
         assert ((g(x) - F.linear(x, deq)).abs() <= bound).all(), (name, rows)
@@ -127,9 +128,18 @@ def test_each_gguf_type_kept_in_groups_equals_or_rounds_its_dequantized_weights(
     assert checked >= 7
 
 
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_a_weight_whose_rows_no_block_divides_multiplies_within_the_bound(fmt):
+    """99 output rows: the kernel's blocks take 4 (AVX-512) or 1 weight rows at a time,
+    so the last 3 rows take the tail path."""
+    g = Groups.quantize(torch.randn(99, 320, generator=torch.Generator().manual_seed(1)), fmt)
+    _check_matmul(g, g.dequantize(), fmt)
+
+
 def test_the_avx2_build_of_the_kernels_computes_what_the_native_one_does(tmp_path):
     """On an AVX-512 machine the native build never runs the AVX2 code; a haswell build
-    in a subprocess (its own cache) must meet the same bounds at 1, 3 and 40 rows."""
+    in a subprocess (its own cache) must meet the same bounds at 1, 3, 13 and 40 rows, on
+    a weight of 99 rows (not a multiple of the rows a block takes)."""
     import os
     import subprocess
     import sys
@@ -137,8 +147,8 @@ def test_the_avx2_build_of_the_kernels_computes_what_the_native_one_does(tmp_pat
             "from ferroxmp.gpu_worker.quant import Groups\n"
             "torch.manual_seed(0)\n"
             "for fmt in ('int4', 'int8'):\n"
-            "    g = Groups.quantize(torch.randn(96, 320), fmt); w = g.dequantize()\n"
-            "    for rows in (1, 3, 40):\n"
+            "    g = Groups.quantize(torch.randn(99, 320), fmt); w = g.dequantize()\n"
+            "    for rows in (1, 3, 13, 40):\n"
             "        x = torch.randn(rows, 320)\n"
             "        bound = 16 * 320 * 2.0 ** -24 * (x.abs() @ w.abs().T + x.abs().sum(1, keepdim=True))\n"
             "        assert ((g(x) - F.linear(x, w)).abs() <= bound).all(), (fmt, rows)\n"

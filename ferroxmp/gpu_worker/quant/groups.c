@@ -17,7 +17,9 @@
 #include <stdint.h>
 #include <immintrin.h>
 
-#define MB 4
+#ifndef PREFETCH
+#define PREFETCH 2048
+#endif
 static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 
 #ifdef __AVX512F__
@@ -68,26 +70,6 @@ static inline void int8_unpack(const int8_t* qb, VEC w[NV]) {
 #endif
 #define LANES (32 / NV)
 
-/* One output row n for activation rows r0 .. r0 + mb - 1. */
-static inline void row_int4(int K, const float* x, const float* xs, int r0, int mb, const uint8_t* qr,
-                            const uint16_t* dr, const uint16_t* mr, int n, int N, float* y) {
-  int G = K / 32;
-  VEC acc[MB]; float macc[MB];
-  for (int i = 0; i < MB; i++) { acc[i] = VZERO; macc[i] = 0; }
-  for (int g = 0; g < G; g++) {
-    VEC w[NV]; int4_unpack(qr + g * 16, w);
-    VEC dg = VSET1(h2f(dr[g])); float mg = h2f(mr[g]);
-    for (int i = 0; i < mb; i++) {
-      const float* xb = x + (int64_t)(r0 + i) * K + g * 32;
-      VEC t = VMUL(w[0], VLOAD(xb));
-      for (int v = 1; v < NV; v++) t = VFMA(w[v], VLOAD(xb + v * LANES), t);
-      acc[i] = VFMA(dg, t, acc[i]);
-      macc[i] += mg * xs[(r0 + i) * G + g];
-    }
-  }
-  for (int i = 0; i < mb; i++) y[(int64_t)(r0 + i) * N + n] = hsum(acc[i]) + macc[i];
-}
-
 /* One activation row (decode at batch 1), the hot case: two groups per iteration into
    two accumulators (independent chains). `unpack` is int4_unpack or int8_unpack (a
    constant at each call: the compiler inlines it), `gbytes` a group's bytes. Returns
@@ -100,6 +82,7 @@ static inline float row_one(int K, const float* x, const uint8_t* qr, int gbytes
   VEC a0 = VZERO, a1 = VZERO;
   for (; g + 1 < G; g += 2) {
     VEC w[NV], u[NV];
+    _mm_prefetch((const char*)(qr + g * gbytes) + PREFETCH, _MM_HINT_T0);
     unpack(qr + g * gbytes, w);
     unpack(qr + (g + 1) * gbytes, u);
     const float* xb = x + g * 32;
@@ -127,67 +110,102 @@ static inline float min_term(int G, const uint16_t* mr, const float* xs) {
   return s;
 }
 
+/* Several activation rows (a batch of decode rows, a small chunk): output rows n .. n+nr-1
+   for activation rows r0 .. r0+mb-1. Each group is unpacked once per block into its float
+   values q * d (+ m), the values int4_dequant writes, and multiplied by every row of the
+   block, each activation load serving the block's nr weight rows: the unpack is paid once
+   per mb rows and the loads once per nr rows. A row's sum runs over the same values in the
+   same order whatever the other rows hold. Called with constant nr and mb (rows_times), so
+   that the accumulators stay in registers. */
+#ifdef __AVX512F__
+#define NSTEP 4  /* output rows per parallel step: a block of 4 x (up to 4) activation rows */
+#define NWIDE 2  /* output rows per block of 5-8 activation rows (32 registers) */
+#else
+#define NSTEP 1  /* 16 registers: one output row per block */
+#define NWIDE 1
+#endif
+#define MR 8
+static inline __attribute__((always_inline)) void block(int K, const float* x, int r0, int mb, int n, int nr,
+    int N, const uint8_t* q, int gbytes, unpack_fn unpack, const uint16_t* d, const uint16_t* m, float* y) {
+  int G = K / 32;
+  VEC acc[NSTEP][MR];
+  for (int j = 0; j < nr; j++)
+    for (int i = 0; i < mb; i++) acc[j][i] = VZERO;
+  for (int g = 0; g < G; g++) {
+    VEC w[NSTEP][NV];
+    for (int j = 0; j < nr; j++) {
+      const uint8_t* qg = q + ((int64_t)(n + j) * G + g) * gbytes;
+      _mm_prefetch((const char*)qg + PREFETCH, _MM_HINT_T0);
+      unpack(qg, w[j]);
+      VEC dg = VSET1(h2f(d[(int64_t)(n + j) * G + g]));
+      if (m) {
+        VEC mg = VSET1(h2f(m[(int64_t)(n + j) * G + g]));
+        for (int v = 0; v < NV; v++) w[j][v] = VFMA(w[j][v], dg, mg);
+      } else {
+        for (int v = 0; v < NV; v++) w[j][v] = VMUL(w[j][v], dg);
+      }
+    }
+    for (int i = 0; i < mb; i++) {
+      const float* xb = x + (int64_t)(r0 + i) * K + g * 32;
+      for (int v = 0; v < NV; v++) {
+        VEC xv = VLOAD(xb + v * LANES);
+        for (int j = 0; j < nr; j++) acc[j][i] = VFMA(w[j][v], xv, acc[j][i]);
+      }
+    }
+  }
+  for (int j = 0; j < nr; j++)
+    for (int i = 0; i < mb; i++) y[(int64_t)(r0 + i) * N + n + j] = hsum(acc[j][i]);
+}
+
+/* Every activation row times output rows n .. n+NSTEP-1. Called inside each format's own
+   parallel loop (one OpenMP region outlined for both formats would call `unpack` through
+   a pointer). */
+static inline __attribute__((always_inline)) void rows_times(int n, int M, int N, int K, const float* x,
+    const uint8_t* q, int gbytes, unpack_fn unpack, const uint16_t* d, const uint16_t* m, float* y) {
+  for (int r0 = 0; r0 < M; r0 += MR) {
+    int mb = M - r0 < MR ? M - r0 : MR;
+    if (N - n < NSTEP) {  /* the last output rows of an N that NSTEP does not divide */
+      for (int j = n; j < N; j++) block(K, x, r0, mb, j, 1, N, q, gbytes, unpack, d, m, y);
+      continue;
+    }
+#define TALL(c) case c: block(K, x, r0, c, n, NSTEP, N, q, gbytes, unpack, d, m, y); break;
+#define WIDE(c) case c: for (int j = 0; j < NSTEP; j += NWIDE) \
+                          block(K, x, r0, c, n + j, NWIDE, N, q, gbytes, unpack, d, m, y); break;
+    switch (mb) { TALL(1) TALL(2) TALL(3) TALL(4) WIDE(5) WIDE(6) WIDE(7) WIDE(8) }
+#undef TALL
+#undef WIDE
+  }
+}
+
 void int4_mm(int M, int N, int K, const float* x, const uint8_t* q, const uint16_t* d,
              const uint16_t* m, float* xs, float* y) {
-  int G = K / 32;  /* xs: caller's [M, G] scratch for the groups' sums of x (the m term) */
-  for (int r = 0; r < M; r++)
-    for (int g = 0; g < G; g++) {
-      float s = 0;
-      for (int j = 0; j < 32; j++) s += x[(int64_t)r * K + g * 32 + j];
-      xs[r * G + g] = s;
-    }
-  if (M == 1) {
+  int G = K / 32;
+  if (M > 1) {
     #pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++)
-      y[n] = row_one(K, x, q + (int64_t)n * (K / 2), 16, (unpack_fn)int4_unpack, d + (int64_t)n * G) +
-             min_term(G, m + (int64_t)n * G, xs);
+    for (int n = 0; n < N; n += NSTEP) rows_times(n, M, N, K, x, q, 16, (unpack_fn)int4_unpack, d, m, y);
     return;
+  }
+  for (int g = 0; g < G; g++) {  /* xs: caller's [G] scratch, the groups' sums of x (the m term) */
+    float s = 0;
+    for (int j = 0; j < 32; j++) s += x[g * 32 + j];
+    xs[g] = s;
   }
   #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; n++)
-    for (int r0 = 0; r0 < M; r0 += MB) {
-      const uint8_t* qr = q + (int64_t)n * (K / 2);
-      if (M - r0 >= MB)  /* a constant count: the compiler keeps the accumulators in registers */
-        row_int4(K, x, xs, r0, MB, qr, d + (int64_t)n * G, m + (int64_t)n * G, n, N, y);
-      else
-        row_int4(K, x, xs, r0, M - r0, qr, d + (int64_t)n * G, m + (int64_t)n * G, n, N, y);
-    }
-}
-
-static inline void row_int8(int K, const float* x, int r0, int mb, const int8_t* qr, const uint16_t* dr,
-                            int n, int N, float* y) {
-  int G = K / 32;
-  VEC acc[MB];
-  for (int i = 0; i < MB; i++) acc[i] = VZERO;
-  for (int g = 0; g < G; g++) {
-    VEC w[NV]; int8_unpack(qr + g * 32, w);
-    VEC dg = VSET1(h2f(dr[g]));
-    for (int i = 0; i < mb; i++) {
-      const float* xb = x + (int64_t)(r0 + i) * K + g * 32;
-      VEC t = VMUL(w[0], VLOAD(xb));
-      for (int v = 1; v < NV; v++) t = VFMA(w[v], VLOAD(xb + v * LANES), t);
-      acc[i] = VFMA(dg, t, acc[i]);
-    }
-  }
-  for (int i = 0; i < mb; i++) y[(int64_t)(r0 + i) * N + n] = hsum(acc[i]);
+    y[n] = row_one(K, x, q + (int64_t)n * (K / 2), 16, (unpack_fn)int4_unpack, d + (int64_t)n * G) +
+           min_term(G, m + (int64_t)n * G, xs);
 }
 
 void int8_mm(int M, int N, int K, const float* x, const int8_t* q, const uint16_t* d, float* y) {
   int G = K / 32;
-  if (M == 1) {
+  if (M > 1) {
     #pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++)
-      y[n] = row_one(K, x, (const uint8_t*)q + (int64_t)n * K, 32, (unpack_fn)int8_unpack, d + (int64_t)n * G);
+    for (int n = 0; n < N; n += NSTEP) rows_times(n, M, N, K, x, (const uint8_t*)q, 32, (unpack_fn)int8_unpack, d, 0, y);
     return;
   }
   #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; n++)
-    for (int r0 = 0; r0 < M; r0 += MB) {
-      if (M - r0 >= MB)
-        row_int8(K, x, r0, MB, q + (int64_t)n * K, d + (int64_t)n * G, n, N, y);
-      else
-        row_int8(K, x, r0, M - r0, q + (int64_t)n * K, d + (int64_t)n * G, n, N, y);
-    }
+    y[n] = row_one(K, x, (const uint8_t*)q + (int64_t)n * K, 32, (unpack_fn)int8_unpack, d + (int64_t)n * G);
 }
 
 /* Rows of W as float32 (out[N, K]): many activation rows (a prefill chunk) are multiplied

@@ -30,7 +30,7 @@ from .native import library
 GROUP = 32
 # Above this many activation rows (a prefill chunk) the weight is widened to float32 once
 # and multiplied by torch's GEMM: the kernel re-reads a group for every 4 rows.
-DEQUANT_ROWS = 32
+DEQUANT_ROWS = 80
 
 
 def _ptr(t: torch.Tensor):
