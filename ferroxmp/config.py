@@ -171,7 +171,7 @@ class ServerArgs:
             bad("num_speculative_tokens", "must be between 1 and 16")
         if self.speculative_ngram and self.tp > 1:
             bad("speculative_ngram", "is not implemented with --tp > 1 yet")
-        if self.deterministic and self.tp > 1:  # the follower ranks (tp_step.py) build the default kernels
+        if self.deterministic and self.tp > 1:  # the follower ranks (parallel/step.py) build the default kernels
             bad("deterministic", "is not implemented with --tp > 1 yet; use --tp 1")
         if self.nnodes == 1 and self.dist_init_addr is not None:
             bad("dist_init_addr", "is only used with --nnodes > 1 (one node rendezvouses in its run directory)")

@@ -228,7 +228,7 @@ class BatchResult(msgspec.Struct, tag=True):
 
 class PrepareGrammar(msgspec.Struct, tag=True):
     """Scheduler -> worker when a constrained request arrives: compile its grammar off
-    the batch loop (grammar_prep.py). The request is planned only after GrammarReady."""
+    the batch loop (sampling/grammar_prep.py). The request is planned only after GrammarReady."""
     rid: str
     grammar: Grammar
 
@@ -242,7 +242,7 @@ class GrammarReady(msgspec.Struct, tag=True):
     compile_s: float = 0.0
 
 
-# ---- KV tiers (scheduler/tier_index.py mirrors what gpu_worker/kv_tiers.py holds) ----
+# ---- KV tiers (scheduler/tier_index.py mirrors what gpu_worker/kv/tiers.py holds) ----
 # A page's key is the 16-byte chain hash of its salt and every token up to its end, so
 # a key names a whole prefix: the same key is the same KV, in any tier, on any restart.
 

@@ -15,7 +15,7 @@ reaches the frontend through a pipe on its stdin.
 
 Tensor parallelism (--tp N over --nnodes M): each node's supervisor starts its N/M
 worker ranks at once (rank 0 is the worker the scheduler talks to; the others run
-gpu_worker/tp_rank.py) and waits for all of them; they rendezvous in the run directory
+gpu_worker/parallel/rank.py) and waits for all of them; they rendezvous in the run directory
 (one node) or at --dist-init-addr. Node 0 then starts the scheduler and the frontend.
 A node with --node-rank > 0 runs only its ranks: it exits 0 when rank 0 stops them, and
 1 (taking node 0 down through the lost connection) when any of its ranks dies.
@@ -47,7 +47,7 @@ WATCH_S = 0.2
 SELF_PAUSE_S = 2.0  # a watch turn this late means the supervisor itself was not running
 DUMP_WAIT_S = 1.0  # time for a stalled child to write its stacks after SIGUSR1
 MODULES = {"worker": "ferroxmp.gpu_worker.worker", "scheduler": "ferroxmp.scheduler.scheduler",
-           "frontend": "ferroxmp.frontend.server", "rank": "ferroxmp.gpu_worker.tp_rank"}
+           "frontend": "ferroxmp.frontend.server", "rank": "ferroxmp.gpu_worker.parallel.rank"}
 WATCHED = ("worker", "scheduler", "frontend")  # children with a heartbeat slot (liveness.py);
 # ranks > 0 have none: one that stops makes rank 0 wait inside a collective, and rank 0 is watched
 RANK0_STOP_S = 3.0  # at teardown: time for rank 0 to tell the other ranks to stop

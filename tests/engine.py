@@ -38,8 +38,8 @@ class LocalEngine:
         # which `build` hands to the core as the scheduler process would.
         self.tiers, self.tier_msgs = None, []
         if kv_host_bytes or kv_dir:
-            from ferroxmp.gpu_worker.kv_disk import open_disk_tier
-            from ferroxmp.gpu_worker.kv_tiers import KVTiers
+            from ferroxmp.gpu_worker.kv.disk import open_disk_tier
+            from ferroxmp.gpu_worker.kv.tiers import KVTiers
             kv = self.runner.kv
             per_page = 2 * kv.num_layers * kv.page_size * kv.num_kv_heads * kv.head_dim * kv.k.element_size()
             disk = open_disk_tier(kv_dir, {"model": model, "page_size": page_size}, 1.0, per_page)
@@ -76,7 +76,7 @@ class LocalEngine:
         """Plan one batch now and queue it for the next `step` (to inspect it first).
         Grammars the core asked for are compiled inline first (the worker's compile
         thread, grammar_prep.py), so a constrained request is planned as in a server."""
-        from ferroxmp.gpu_worker.grammar_prep import prepare
+        from ferroxmp.gpu_worker.sampling.grammar_prep import prepare
         for prep in self.core.grammars.take_prepares():
             self.core.grammar_ready(prepare(self.runner.grammars, prep))
         batch = self.core.build_batch(time.time())

@@ -412,7 +412,7 @@ def test_kv_sizing_failures_name_layers_context_kv_heads_head_dim_and_dtype_byte
     """A budget under two pages, and a pool the allocator refuses (ENOMEM), both say what
     was sized (2 x layers x tokens x kv heads x head_dim x bytes, with the product), not
     just 'raise --kv-cache-gb'; the product is checked against the config."""
-    from ferroxmp.gpu_worker.kv_pool import KVPool, pages_for_budget
+    from ferroxmp.gpu_worker.kv.pool import KVPool, pages_for_budget
     cfg = load_config(tiny_models["llama"])
     per_context = 2 * cfg.num_layers * cfg.max_position_embeddings * cfg.num_kv_heads * cfg.head_dim * 4
     with pytest.raises(RuntimeError) as e:

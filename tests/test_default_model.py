@@ -16,7 +16,7 @@ import requests
 
 from ferroxmp.checkpoint.default_model import DefaultModelMissing, default_model_path, resolve_model
 from ferroxmp.config import ServerArgs
-from ferroxmp.frontend.tokenizer import TextCodec
+from ferroxmp.frontend.text.tokenizer import TextCodec
 from serverproc import ServerProcess
 
 pytestmark = pytest.mark.timeout(900)

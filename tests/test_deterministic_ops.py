@@ -15,20 +15,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ferroxmp.gpu_worker import attn_det
+from ferroxmp.gpu_worker.attention import deterministic as attn_det
 from ferroxmp.gpu_worker import runner as runner_mod
 from ferroxmp.gpu_worker.attention import reference_attention
-from ferroxmp.gpu_worker.attn_det import DeterministicBackend
+from ferroxmp.gpu_worker.attention.deterministic import DeterministicBackend
 from ferroxmp.gpu_worker.batch_invariant import check_linear, invariant_linear
-from ferroxmp.gpu_worker.kv_pool import KVPool
+from ferroxmp.gpu_worker.kv.pool import KVPool
 from ferroxmp.protocol import RowStep
 
 
 def test_a_plain_matmul_gives_a_row_other_bits_in_another_batch_and_the_invariant_one_does_not():
     """The premise and the fix in one: on this CPU a float32 row multiplied alone (M=1)
-    or in a tail tile differs from the same row in a full tile; padded to 4-row tiles it
-    never does. If the first half stops holding (a new torch), the fix may be moot but
-    the second half still has to hold."""
+    or in a tail tile differs from the same row in a full tile; called in fixed blocks of
+    ROW_TILE rows it never does (padding M to a multiple of 4 was enough on an AMD EPYC, not
+    on an Intel Xeon with AVX-512: the 576x1536 check below failed there at every M). If the
+    first half stops holding (a new torch), the fix may be moot but the second half still
+    has to hold."""
     torch.manual_seed(0)
     w, x = torch.randn(192, 64), torch.randn(67, 64)
     alone = torch.cat([F.linear(x[i:i + 1], w) for i in range(67)])

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import requests
 
-from ferroxmp.frontend.embeddings import resolve_pooling
+from ferroxmp.frontend.openai.embeddings import resolve_pooling
 from ferroxmp.protocol import RowStep, SamplingParams
 from ferroxmp.tiny_model import make_embedding_variant, write_pooling_config
 from serverproc import pages_leaked, serving

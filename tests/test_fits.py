@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ferroxmp.fits import context_refusal
-from ferroxmp.frontend import schemas
+from ferroxmp.frontend.openai import schemas
 from ferroxmp.frontend.errors import ApiError
 from ferroxmp.protocol import SamplingParams
 from ferroxmp.scheduler.settings import SchedulerConfig

@@ -338,7 +338,7 @@ def test_sse_events_are_flushed_one_by_one(fe, api, oracle_ids):
 def test_a_streamed_chat_opens_with_the_role_and_adds_up_to_the_text(fe, api, tok, oracle_ids, tiny_models):
     """The role comes once, first; content adds up to the decode (multi-byte characters
     split over tokens included); the prompt sent is the chat template's ids."""
-    from ferroxmp.frontend.tokenizer import TextCodec
+    from ferroxmp.frontend.text.tokenizer import TextCodec
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something"}]
     r = api.post(fe.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 60, "stream": True})
     events = sse_events(r)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ferroxmp.frontend import schemas
+from ferroxmp.frontend.openai import schemas
 from ferroxmp.frontend.errors import ApiError
 
 VOCAB = 1000

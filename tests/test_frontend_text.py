@@ -14,8 +14,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from ferroxmp.frontend.detokenizer import Detokenizer, StopMatcher
-from ferroxmp.frontend.tokenizer import TextCodec
+from ferroxmp.frontend.text.detokenizer import Detokenizer, StopMatcher
+from ferroxmp.frontend.text.tokenizer import TextCodec
 
 MULTIBYTE = [
     "Héllo wörld, ça va? Ünïcödé",

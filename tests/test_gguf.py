@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from ferroxmp.checkpoint.gguf_config import GGUFUnsupported, hf_config
 from ferroxmp.checkpoint.gguf_file import open_gguf
 from ferroxmp.checkpoint.gguf_tokenizer import build_tokenizer
-from ferroxmp.frontend.tokenizer import TextCodec
+from ferroxmp.frontend.text.tokenizer import TextCodec
 from ferroxmp.gpu_worker.loader import UnsupportedModel, load_config, load_weights
 from gguf_writer import quantize_q4_k, quantize_q6_k, write_gguf
 from serverproc import ServerProcess

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from ferroxmp.frontend.tokenizer import TextCodec
+from ferroxmp.frontend.text.tokenizer import TextCodec
 from ferroxmp.protocol import Grammar, NewRow, RowStep, SamplingParams, pack_ids, unpack_ids
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -65,7 +65,7 @@ def text_of(codec: TextCodec, toks: list[int], eos) -> str:
 def test_the_bitmask_expansion_allows_exactly_the_set_bits():
     """A shifted or sign-extended bit (bit 31 is the int32 sign) would allow a token the
     grammar forbids or forbid one it allows."""
-    from ferroxmp.gpu_worker.sampler import apply_bitmask
+    from ferroxmp.gpu_worker.sampling.sampler import apply_bitmask
     g = torch.Generator().manual_seed(0)
     vocab = 100
     bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, 4), generator=g, dtype=torch.int64).to(torch.int32)
@@ -78,8 +78,8 @@ def test_the_bitmask_expansion_allows_exactly_the_set_bits():
 
 def test_packing_a_token_set_round_trips_through_the_mask():
     """The JSON rows' extra mask (no control bytes) is packed by the module itself."""
-    from ferroxmp.gpu_worker.grammar import _pack_bits
-    from ferroxmp.gpu_worker.sampler import apply_bitmask
+    from ferroxmp.gpu_worker.sampling.grammar import _pack_bits
+    from ferroxmp.gpu_worker.sampling.sampler import apply_bitmask
     allowed = torch.rand(77, generator=torch.Generator().manual_seed(1)) > 0.5
     allowed[31] = allowed[63] = True  # the sign bits
     out = apply_bitmask(torch.zeros(1, 77), _pack_bits(allowed)[None, :])
@@ -88,7 +88,7 @@ def test_packing_a_token_set_round_trips_through_the_mask():
 
 def test_compiled_grammars_are_cached_by_spec(tiny_model):
     """Compiling per request would cost milliseconds on every constrained request."""
-    from ferroxmp.gpu_worker.grammar import GrammarCache
+    from ferroxmp.gpu_worker.sampling.grammar import GrammarCache
     cache = GrammarCache.for_checkpoint(tiny_model, 1024, [1])
     cache.matcher(GRAMMAR)
     cache.matcher(Grammar("json_schema", json.dumps(SCHEMA)))
@@ -165,8 +165,8 @@ def test_a_complete_grammar_ends_the_row_even_before_min_tokens(tiny_model, make
 def test_min_tokens_yields_to_a_grammar_that_allows_only_eos():
     """Blocking EOS where the grammar allows nothing else would leave every logit -inf
     (argmax then says token 0, a token neither allowed): the grammar's EOS must win."""
-    from ferroxmp.gpu_worker.grammar import _pack_bits
-    from ferroxmp.gpu_worker.sampler import RowSample, sample
+    from ferroxmp.gpu_worker.sampling.grammar import _pack_bits
+    from ferroxmp.gpu_worker.sampling.sampler import RowSample, sample
     only = torch.zeros(40, dtype=torch.bool)
     only[7] = True
     logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(0))

@@ -86,7 +86,7 @@ def test_an_in_process_engine_compiles_and_serves_a_constrained_request(tiny_mod
     import re
 
     from engine import LocalEngine
-    from ferroxmp.frontend.tokenizer import TextCodec
+    from ferroxmp.frontend.text.tokenizer import TextCodec
     eng = LocalEngine(tiny_models["llama"])
     try:
         rid = eng.submit([5, 6, 7], max_tokens=20, temperature=1.0, seed=4, grammar=Grammar("regex", "(cat|dog)-[0-9]"))

@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 
-from ferroxmp.frontend.tokenizer import TextCodec
+from ferroxmp.frontend.text.tokenizer import TextCodec
 from ferroxmp.protocol import Grammar
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -51,7 +51,7 @@ CORPUS = {
 
 def walk(cache, g: Grammar, rng: random.Random, codec: TextCodec, max_steps: int = 120):
     """(bytes produced, ended in EOS): tokens drawn uniformly from each step's mask."""
-    from ferroxmp.gpu_worker.grammar import allocate
+    from ferroxmp.gpu_worker.sampling.grammar import allocate
     rg = cache.matcher(g)
     bm = allocate(1, cache.vocab_size)
     eos = set(cache.eos_ids)
@@ -74,7 +74,7 @@ def walk(cache, g: Grammar, rng: random.Random, codec: TextCodec, max_steps: int
 
 @pytest.fixture(scope="module")
 def cache_and_codec(tiny_models):
-    from ferroxmp.gpu_worker.grammar import GrammarCache
+    from ferroxmp.gpu_worker.sampling.grammar import GrammarCache
     from ferroxmp.gpu_worker.loader import load_config
     path = tiny_models["llama"]
     cfg = load_config(path, "auto")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import LocalEngine
-from ferroxmp.gpu_worker.kv_disk import HEADER, DiskTier, fingerprint
+from ferroxmp.gpu_worker.kv.disk import HEADER, DiskTier, fingerprint
 
 PAGE = 4
 

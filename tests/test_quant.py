@@ -27,7 +27,7 @@ from ferroxmp.gpu_worker.loader import load_config, load_weights, weight_bytes
 from ferroxmp.gpu_worker.models import build_model
 from ferroxmp.gpu_worker.quant import Groups, PackedF16, resolve_mode, should_quantize, target_format
 from ferroxmp.gpu_worker.quant.policy import AS_STORED, QuantizationRefused
-from ferroxmp.gpu_worker.tp import Shard
+from ferroxmp.gpu_worker.parallel.group import Shard
 from gguf_writer import write_gguf
 
 pytestmark = pytest.mark.timeout(300)

@@ -12,7 +12,7 @@ import requests
 from gguf import GGMLQuantizationType as Q
 
 from ferroxmp.gpu_worker.loader import load_config
-from ferroxmp.gpu_worker.tp import Shard
+from ferroxmp.gpu_worker.parallel.group import Shard
 from gguf_writer import write_gguf
 from serverproc import ServerProcess
 
@@ -28,7 +28,7 @@ def test_the_smollm2_gguf_kept_as_fp16_or_int4_answers_the_dequantized_paths_gre
     the kernel path) and a batch of 3 rows are part of the path; 3 prompts x 12 tokens
     keep it to three model loads and ~25 steps each."""
     from ferroxmp.checkpoint.default_model import default_model_path
-    from ferroxmp.frontend.tokenizer import TextCodec
+    from ferroxmp.frontend.text.tokenizer import TextCodec
     path = default_model_path()
     codec = TextCodec(path)
     prompts = {i: codec.encode_chat([{"role": "user", "content": q}]) for i, q in enumerate(QUESTIONS)}

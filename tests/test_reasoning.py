@@ -16,12 +16,12 @@ import os
 import pytest
 import requests
 
-from ferroxmp.frontend import tools
-from ferroxmp.frontend.anthropic_api import MessagesWriter
+from ferroxmp.frontend.tools import parse as tool_parse
+from ferroxmp.frontend.anthropic.messages import MessagesWriter
 from ferroxmp.frontend.generation import Delta
-from ferroxmp.frontend.reasoning import ReasoningSplitter
-from ferroxmp.frontend.responses import Formatter
-from ferroxmp.frontend.responses_api import ResponsesWriter, ResponseStore
+from ferroxmp.frontend.text.reasoning import ReasoningSplitter
+from ferroxmp.frontend.openai.replies import Formatter
+from ferroxmp.frontend.openai.responses import ResponsesWriter, ResponseStore
 from ferroxmp.tiny_model import make_reasoning_variant
 from serverproc import serving
 
@@ -74,7 +74,7 @@ def _deltas(pieces: list[str]) -> list[Delta]:
 
 
 def _parser():
-    return tools.ToolParser(tools.HERMES, frozenset({"f"}))
+    return tool_parse.ToolParser(tool_parse.HERMES, frozenset({"f"}))
 
 
 class _Gen:  # the counts the writers read from a Generation

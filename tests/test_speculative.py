@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from engine import LocalEngine
-from ferroxmp.gpu_worker.ngram import MAX_SKIP, Backoff, propose
+from ferroxmp.gpu_worker.sampling.ngram import MAX_SKIP, Backoff, propose
 from ferroxmp.protocol import Grammar
 from serverproc import serving
 

@@ -63,7 +63,7 @@ def test_completions_json_object_is_a_json_object(srv, tiny_models):
     wander through an unbounded object for thousands of tokens, so a logit_bias (+4 on
     tokens holding a quote or a closing brace) shortens it; the grammar decides where
     they may appear."""
-    from ferroxmp.frontend.tokenizer import TextCodec
+    from ferroxmp.frontend.text.tokenizer import TextCodec
     codec = TextCodec(tiny_models["llama"])
     bias = {str(t): 4 for t in range(codec.vocab_size)
             if not codec.is_special(t) and set(codec.token_text(t)) & set('"}')}

@@ -1,4 +1,4 @@
-"""--tp N: the ranks split the model (tp.py) and follow rank 0 step by step (tp_step.py).
+"""--tp N: the ranks split the model (parallel/group.py) and follow rank 0 step by step (parallel/step.py).
 
 Oracle: the tp=1 ModelRunner in this process (the code path of a --tp 1 worker, checked
 against transformers elsewhere) on the same checkpoint, greedy, float32. The servers get
@@ -23,7 +23,7 @@ import requests
 import torch
 
 from ferroxmp.gpu_worker.loader import load_config, load_weights
-from ferroxmp.gpu_worker.tp import Shard
+from ferroxmp.gpu_worker.parallel.group import Shard
 from ferroxmp.tiny_model import TINY_SHAPES
 from serverproc import ServerProcess, free_port, pid_alive, stream_lines
 
@@ -223,7 +223,7 @@ def test_two_nodes_serve_the_same_tokens_and_a_lost_rank_takes_both_down(tiny_mo
         if srv is not None:
             srv.stop()
         for p in ranks1:  # node 1's ranks, should any have outlived their supervisor
-            if pid_alive(p) and "tp_step" in open(f"/proc/{p}/cmdline").read():
+            if pid_alive(p) and "parallel.rank" in open(f"/proc/{p}/cmdline").read():
                 os.kill(p, signal.SIGKILL)
 
 

@@ -20,9 +20,13 @@ import openai
 import pytest
 import requests
 
-from ferroxmp.frontend import schemas, tool_render, tools
+from ferroxmp.frontend.openai import schemas
+
+from ferroxmp.frontend.tools import render as tool_render
+
+from ferroxmp.frontend.tools import parse as tool_parse
 from ferroxmp.frontend.errors import ApiError
-from ferroxmp.frontend.tokenizer import TextCodec
+from ferroxmp.frontend.text.tokenizer import TextCodec
 from serverproc import serving
 import llg_bytes
 
@@ -87,7 +91,7 @@ def hermes(name: str, args: dict) -> str:
 
 
 def test_one_hermes_call_becomes_a_tool_call_with_a_json_string_and_no_content():
-    out = tools.parse(hermes("add", {"a": 1, "b": 2}), tools.HERMES, NAMES)
+    out = tool_parse.parse(hermes("add", {"a": 1, "b": 2}), tool_parse.HERMES, NAMES)
     assert out.content is None
     assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("add", {"a": 1, "b": 2})]
     assert out.calls[0].id.startswith("call_") and len(out.calls[0].id) > 10
@@ -95,7 +99,7 @@ def test_one_hermes_call_becomes_a_tool_call_with_a_json_string_and_no_content()
 
 def test_several_calls_and_the_text_before_them_are_all_kept_in_order():
     text = "Let me check.\n" + hermes("get_weather", {"city": "Paris", "unit": "c"}) + "\n" + hermes("add", {"a": 2, "b": 3})
-    out = tools.parse(text, tools.HERMES, NAMES)
+    out = tool_parse.parse(text, tool_parse.HERMES, NAMES)
     assert out.content == "Let me check."
     assert [c.name for c in out.calls] == ["get_weather", "add"]
     assert len({c.id for c in out.calls}) == 2
@@ -107,27 +111,27 @@ def test_several_calls_and_the_text_before_them_are_all_kept_in_order():
 def test_a_malformed_or_unknown_call_stays_in_the_content_verbatim(body):
     """Broken JSON, a function nobody offered, arguments that are not an object: content."""
     text = "Hm. <tool_call>\n" + body + "\n</tool_call> ok"
-    out = tools.parse(text, tools.HERMES, NAMES)
+    out = tool_parse.parse(text, tool_parse.HERMES, NAMES)
     assert out.calls == [] and out.content == text
 
 
 def test_an_unclosed_call_at_the_end_is_content():
     """Cut by max_tokens: what the model wrote is returned, not a half call."""
     text = "x <tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2}}"
-    out = tools.parse(text, tools.HERMES, NAMES)
+    out = tool_parse.parse(text, tool_parse.HERMES, NAMES)
     assert out.calls == [] and out.content == text
 
 
 def test_raw_control_characters_in_a_string_come_back_escaped():
     """The grammar's JSON strings admit raw control bytes; the client gets valid JSON."""
-    out = tools.parse('<tool_call>\n{"name": "get_weather", "arguments": {"city": "a\x01b", "unit": "c"}}\n</tool_call>',
-                      tools.HERMES, NAMES)
+    out = tool_parse.parse('<tool_call>\n{"name": "get_weather", "arguments": {"city": "a\x01b", "unit": "c"}}\n</tool_call>',
+                      tool_parse.HERMES, NAMES)
     assert json.loads(out.calls[0].arguments) == {"city": "a\x01b", "unit": "c"}
 
 
 def test_parallel_tool_calls_false_keeps_only_the_first_call():
     text = hermes("add", {"a": 1, "b": 1}) + "\n" + hermes("add", {"a": 2, "b": 2})
-    out = tools.parse(text, tools.HERMES, NAMES, max_calls=1)
+    out = tool_parse.parse(text, tool_parse.HERMES, NAMES, max_calls=1)
     assert [json.loads(c.arguments) for c in out.calls] == [{"a": 1, "b": 1}] and out.content is None
 
 
@@ -138,16 +142,16 @@ TEXTS = ["Sure! " + hermes("add", {"a": 1, "b": 2}) + "\n\n" + hermes("get_weath
 
 
 @pytest.mark.parametrize("text", TEXTS)
-@pytest.mark.parametrize("fmt", [tools.HERMES, tools.LLAMA3_JSON])
+@pytest.mark.parametrize("fmt", [tool_parse.HERMES, tool_parse.LLAMA3_JSON])
 def test_any_split_of_a_reply_streams_to_the_same_content_and_calls(text, fmt):
     """Chunking invariance: what a stream delivers (content deltas joined, calls in order)
     equals the whole reply parsed at once, for 60 random splits."""
-    if fmt == tools.LLAMA3_JSON:
+    if fmt == tool_parse.LLAMA3_JSON:
         text = text.replace(hermes("add", {"a": 1, "b": 2}), '{"name": "add", "parameters": {"a": 1, "b": 2}}')
-    whole = tools.parse(text, fmt, NAMES)
+    whole = tool_parse.parse(text, fmt, NAMES)
     rng = random.Random(7)
     for _ in range(60):
-        p, events, i = tools.ToolParser(fmt, NAMES), [], 0
+        p, events, i = tool_parse.ToolParser(fmt, NAMES), [], 0
         while i < len(text):
             k = rng.randint(1, 9)
             events += p.feed(text[i:i + k])
@@ -155,12 +159,12 @@ def test_any_split_of_a_reply_streams_to_the_same_content_and_calls(text, fmt):
         events += p.finish()
         content = "".join(e for e in events if isinstance(e, str)) or None
         assert content == whole.content
-        assert [(e.name, e.arguments) for e in events if isinstance(e, tools.ToolCall)] == \
+        assert [(e.name, e.arguments) for e in events if isinstance(e, tool_parse.ToolCall)] == \
                [(c.name, c.arguments) for c in whole.calls]
 
 
 def test_text_that_may_open_a_call_is_held_back_until_decided():
-    p = tools.ToolParser(tools.HERMES, NAMES)
+    p = tool_parse.ToolParser(tool_parse.HERMES, NAMES)
     assert p.feed("Hello <tool") == ["Hello"]  # the space waits too: it touches a possible call
     assert p.feed("box>") == [" <toolbox>"]
 
@@ -169,8 +173,8 @@ def test_text_that_may_open_a_call_is_held_back_until_decided():
 
 @pytest.mark.parametrize("prefix", ["", "<|python_tag|>", "  "])
 def test_a_llama3_json_reply_is_one_call(prefix):
-    out = tools.parse(prefix + '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "c"}}',
-                      tools.LLAMA3_JSON, NAMES)
+    out = tool_parse.parse(prefix + '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "c"}}',
+                      tool_parse.LLAMA3_JSON, NAMES)
     assert out.content is None
     assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("get_weather", {"city": "Rome", "unit": "c"})]
 
@@ -178,14 +182,14 @@ def test_a_llama3_json_reply_is_one_call(prefix):
 @pytest.mark.parametrize("text", ['{"name": "get_weather", "parameters": {"city": ', "It is sunny.",
                                   '{"answer": 42}', 'The call: {"name": "add", "parameters": {"a": 1, "b": 2}}'])
 def test_a_llama3_reply_that_is_not_exactly_a_call_is_content(text):
-    out = tools.parse(text, tools.LLAMA3_JSON, NAMES)
+    out = tool_parse.parse(text, tool_parse.LLAMA3_JSON, NAMES)
     assert out.calls == [] and out.content == text
 
 
 def test_the_format_follows_the_template_family():
-    assert tools.format_for_template(QWEN_TOOLS_TEMPLATE) == tools.HERMES
-    assert tools.format_for_template(LLAMA3_TEMPLATE_BIT) == tools.LLAMA3_JSON
-    assert tools.format_for_template(None) == tools.HERMES
+    assert tool_parse.format_for_template(QWEN_TOOLS_TEMPLATE) == tool_parse.HERMES
+    assert tool_parse.format_for_template(LLAMA3_TEMPLATE_BIT) == tool_parse.LLAMA3_JSON
+    assert tool_parse.format_for_template(None) == tool_parse.HERMES
 
 
 # ---- validation ----------------------------------------------------------------------------
@@ -250,12 +254,12 @@ def _accepts(grammar, text: str) -> bool:
 ])
 def test_the_hermes_grammar_admits_exactly_tool_calls_that_fit_the_schemas(choice, parallel, text, ok):
     tc = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
-    req = schemas.parse_chat({**CHAT, "tool_choice": tc, "parallel_tool_calls": parallel}, 1000, tool_format=tools.HERMES)
+    req = schemas.parse_chat({**CHAT, "tool_choice": tc, "parallel_tool_calls": parallel}, 1000, tool_format=tool_parse.HERMES)
     assert _accepts(req.sampling.grammar, text) is ok
 
 
 def test_the_llama3_grammar_is_one_json_call_with_parameters():
-    req = schemas.parse_chat({**CHAT, "tool_choice": "required"}, 1000, tool_format=tools.LLAMA3_JSON)
+    req = schemas.parse_chat({**CHAT, "tool_choice": "required"}, 1000, tool_format=tool_parse.LLAMA3_JSON)
     assert _accepts(req.sampling.grammar, '{"name": "add", "parameters": {"a": 1, "b": 2}}')
     assert not _accepts(req.sampling.grammar, '{"name": "add", "arguments": {"a": 1, "b": 2}}')
 
@@ -511,7 +515,7 @@ def test_the_openai_sdk_stream_helper_assembles_the_same_tool_calls(srv):
 def test_a_llama3_template_gets_one_json_call_whose_arguments_validate(llama3_srv):
     """The format is read from the template (`<|eot_id|>`, `ipython`): the grammar is one
     `{"name", "parameters"}` object and the parser reads it back."""
-    assert tools.format_for_template(LLAMA3_TOOLS_TEMPLATE) == tools.LLAMA3_JSON
+    assert tool_parse.format_for_template(LLAMA3_TOOLS_TEMPLATE) == tool_parse.LLAMA3_JSON
     body = {**CHAT, "tool_choice": "required", "temperature": 1.0, "seed": 5, "n": 2}
     r = post(llama3_srv, body)
     assert r.status_code == 200, r.text

@@ -67,7 +67,7 @@ def test_a_decode_step_padded_for_a_cuda_graph_matches_and_touches_only_the_pad_
     import numpy as np
     from ferroxmp.gpu_worker.attention import make_backend, reference_attention
     from ferroxmp.gpu_worker.cuda_graphs import PinnedStager, padded_batch_size, graph_batch_sizes
-    from ferroxmp.gpu_worker.kv_pool import KVPool
+    from ferroxmp.gpu_worker.kv.pool import KVPool
     from test_worker_attention import CPU, D, H, KVH, PS
 
     g = torch.Generator().manual_seed(9)

@@ -21,10 +21,10 @@ import time
 import pytest
 import requests
 
-from ferroxmp.frontend import schemas
+from ferroxmp.frontend.openai import schemas
 from ferroxmp.frontend.auth import Keyring, cache_salt
-from ferroxmp.frontend.prompts import PromptEncoder
-from ferroxmp.frontend.tokenizer import TextCodec
+from ferroxmp.frontend.text.prompts import PromptEncoder
+from ferroxmp.frontend.text.tokenizer import TextCodec
 from ferroxmp.logsafe import SafeFormatter
 from serverproc import ServerProcess, serving
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ferroxmp.gpu_worker.attention import PlanError, make_backend, plan_step, reference_attention
-from ferroxmp.gpu_worker.kv_pool import KVPool
+from ferroxmp.gpu_worker.kv.pool import KVPool
 
 PS, KVH, H, D = 4, 2, 6, 8
 CPU = torch.device("cpu")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ferroxmp.gpu_worker.kv_pool import KVPool, pages_for_budget
+from ferroxmp.gpu_worker.kv.pool import KVPool, pages_for_budget
 from ferroxmp.gpu_worker.loader import UnsupportedModel, load_config, load_weights, weight_bytes
 from ferroxmp.tiny_model import EOS_TOKEN_IDS
 

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from ferroxmp.gpu_worker.sampler import RowSample, apply_penalties, gumbel_noise, sample
+from ferroxmp.gpu_worker.sampling.sampler import RowSample, apply_penalties, gumbel_noise, sample
 from ferroxmp.protocol import SamplingParams
 
 transformers = pytest.importorskip("transformers")

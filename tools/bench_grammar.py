@@ -1,5 +1,5 @@
 """Grammar engines compared on one vocabulary: xgrammar vs llguidance (the engine the
-worker uses, gpu_worker/grammar.py).
+worker uses, gpu_worker/sampling/grammar.py).
 
     python tools/bench_grammar.py [MODEL_DIR_OR_GGUF] [--walks 20] [--sizes 200,800]
     (xgrammar is compared when installed: pip install xgrammar; the server no longer needs it)
@@ -43,7 +43,7 @@ CORPUS = {
 
 
 def vocab(path):
-    from ferroxmp.frontend.tokenizer import TextCodec
+    from ferroxmp.frontend.text.tokenizer import TextCodec
     from ferroxmp.gpu_worker.loader import load_config
     codec = TextCodec(path)
     eos = list(load_config(path, "auto").eos_token_ids)
@@ -79,7 +79,7 @@ class LLG:
     seps = (",", ":")  # whitespace_flexible false
 
     def __init__(self, toks, eos):
-        from ferroxmp.gpu_worker.grammar import GrammarCache
+        from ferroxmp.gpu_worker.sampling.grammar import GrammarCache
         self.cache, self.V, self.eos = GrammarCache(toks, len(toks), eos), len(toks), eos
 
     def compile(self, schema):

@@ -74,7 +74,7 @@ import torch
 DRY, OUT = sys.argv[1] == "1", sys.argv[2]
 sys.path.insert(0, os.getcwd())
 from ferroxmp.gpu_worker.attention import make_backend, reference_attention  # noqa: E402
-from ferroxmp.gpu_worker.kv_pool import KVPool  # noqa: E402
+from ferroxmp.gpu_worker.kv.pool import KVPool  # noqa: E402
 from ferroxmp.protocol import ForwardBatch, NewRow, RowStep, SamplingParams, pack_ids, unpack_ids  # noqa: E402
 from ferroxmp.radix.pages import PagePool  # noqa: E402
 

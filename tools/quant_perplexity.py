@@ -99,7 +99,7 @@ def main() -> None:
     p.add_argument("--write-text", help="also write the cut text (decoded tokens) here, for llama-perplexity -f")
     a = p.parse_args()
     from ferroxmp.checkpoint.default_model import default_model_path
-    from ferroxmp.frontend.tokenizer import TextCodec
+    from ferroxmp.frontend.text.tokenizer import TextCodec
     model = a.model or default_model_path()
     with open(a.text, encoding="utf-8") as f:
         codec = TextCodec(model)

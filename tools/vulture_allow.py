@@ -7,7 +7,7 @@ this kind (add it here, with the reason).
 # ruff: noqa
 from ferroxmp.checkpoint import gguf_tokenizer, text_codec
 from ferroxmp import config, protocol, tiny_model
-from ferroxmp.gpu_worker import grammar
+from ferroxmp.gpu_worker.sampling import grammar
 
 # Attributes of a `tokenizers.Tokenizer` we build: the library reads them.
 _.pre_tokenizer, _.normalizer, _.decoder, _.post_processor

@@ -18,14 +18,24 @@ import msgspec
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from ferroxmp.frontend import admin, anthropic_api, dialect, embeddings, responses_api, schemas, tokenize_api, tools
+from ferroxmp.frontend import admin, dialect, tokenize_api
+
+from ferroxmp.frontend.anthropic import messages as anthropic_api
+
+from ferroxmp.frontend.openai import embeddings
+
+from ferroxmp.frontend.openai import responses as responses_api
+
+from ferroxmp.frontend.openai import schemas
+
+from ferroxmp.frontend.tools import parse as tool_parse
 from ferroxmp.frontend.auth import Keyring, cache_salt
 from ferroxmp.frontend.errors import ApiError
 from ferroxmp.frontend.fields import decode_body
 from ferroxmp.frontend.generation import ClientGone, Generation, StreamBody
 from ferroxmp.frontend.metrics import CONTENT_TYPE
-from ferroxmp.frontend.prompts import PromptEncoder
-from ferroxmp.frontend.responses import SSE_DONE, Formatter, sse
+from ferroxmp.frontend.text.prompts import PromptEncoder
+from ferroxmp.frontend.openai.replies import SSE_DONE, Formatter, sse
 from ferroxmp.frontend.state import FrontendState
 
 log = logging.getLogger("ferroxmp.frontend")
@@ -55,7 +65,7 @@ def create_app(state: FrontendState) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = int(state.args.get("max_body_bytes") or 8 * 1024 * 1024)
     keyring = Keyring.from_args(state.args)
     encoder = PromptEncoder.for_codec(state.codec, state.max_model_len)
-    tool_format = tools.format_for_template(getattr(state.codec, "chat_template", None))
+    tool_format = tool_parse.format_for_template(getattr(state.codec, "chat_template", None))
     # With a key, everything needs it but the probe, the chat page's own files and, when
     # asked, the scrape target.
     open_paths = {"/health", "/"} | ({"/metrics"} if state.args.get("metrics_public") else set())

@@ -26,7 +26,13 @@ import jinja2
 import msgspec
 from flask import Response, g, request
 
-from ferroxmp.frontend import reasoning, schemas, tool_render, tools
+from ferroxmp.frontend.text import reasoning
+
+from ferroxmp.frontend.openai import schemas
+
+from ferroxmp.frontend.tools import render as tool_render
+
+from ferroxmp.frontend.tools import parse as tool_parse
 from ferroxmp.frontend.auth import cache_salt
 from ferroxmp.frontend.errors import ApiError, bad_param
 from ferroxmp.frontend.generation import ClientGone, Generation, StreamBody
@@ -45,7 +51,7 @@ def chat_prompt(req: schemas.ApiRequest, encoder, tool_format: str) -> tuple[lis
         raise bad_param("messages", f"the chat template refused these messages: {e}") from None
     parser = None
     if req.tools is not None and req.tools.parses:
-        parser = functools.partial(tools.ToolParser, tool_format, req.tools.names, req.tools.max_calls)
+        parser = functools.partial(tool_parse.ToolParser, tool_format, req.tools.names, req.tools.max_calls)
     return ids, parser
 
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Optional
 import msgspec
 
 from ferroxmp.frontend.bridge import SHUTDOWN, Bridge
-from ferroxmp.frontend.detokenizer import Detokenizer, StopMatcher
+from ferroxmp.frontend.text.detokenizer import Detokenizer, StopMatcher
 from ferroxmp.frontend.errors import ApiError
 from ferroxmp.frontend.metrics import Metrics
 from ferroxmp.protocol import GenerateReq, Logprobs, RowOut, SamplingParams, pack_ids, unpack_ids

@@ -46,7 +46,7 @@ from ferroxmp.frontend.app import create_app
 from ferroxmp.frontend.bridge import Bridge
 from ferroxmp.frontend.metrics import Metrics
 from ferroxmp.frontend.state import FrontendState
-from ferroxmp.frontend.tokenizer import TextCodec
+from ferroxmp.frontend.text.tokenizer import TextCodec
 from ferroxmp.liveness import Heartbeat, remove_if_orphaned
 
 log = logging.getLogger("ferroxmp.frontend")

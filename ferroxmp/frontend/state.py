@@ -16,7 +16,7 @@ from typing import Optional
 from ferroxmp.config import ServerArgs
 from ferroxmp.frontend.bridge import Bridge
 from ferroxmp.frontend.metrics import Metrics
-from ferroxmp.frontend.tokenizer import TextCodec
+from ferroxmp.frontend.text.tokenizer import TextCodec
 
 
 @dataclass

@@ -17,10 +17,12 @@ from typing import Any
 
 import jinja2
 
-from ferroxmp.frontend import schemas, tool_render
+from ferroxmp.frontend.openai import schemas
+
+from ferroxmp.frontend.tools import render as tool_render
 from ferroxmp.frontend.errors import bad_param
 from ferroxmp.frontend.fields import Fields, check_names
-from ferroxmp.frontend.prompts import PromptEncoder
+from ferroxmp.frontend.text.prompts import PromptEncoder
 
 PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens"})
 CHAT_FIELDS = frozenset({"model", "messages", "add_generation_prompt", "chat_template_kwargs", "tools"})

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from ..protocol import BatchResult, ForwardBatch
+from ferroxmp.protocol import BatchResult, ForwardBatch
 
 
 def skip_failed(failed: dict[int, str], batch: ForwardBatch) -> tuple[ForwardBatch, dict[int, str]]:

@@ -24,9 +24,9 @@ from typing import Any, Callable, Optional
 import torch
 from tqdm import tqdm
 
-from ..checkpoint import is_gguf
-from ..checkpoint.limits import CheckpointError, check_config, is_int
-from ..config import read_json as _read_json
+from ferroxmp.checkpoint import is_gguf
+from ferroxmp.checkpoint.limits import CheckpointError, check_config, is_int
+from ferroxmp.config import read_json as _read_json
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -119,7 +119,7 @@ def resolve_dtype(name: str, checkpoint: dict, cuda: Optional[bool] = None) -> t
     """--dtype `name`; auto: the checkpoint's dtype where the device computes it natively,
     float32 where a CPU would emulate bf16/fp16 (cpu_dtype.choose_dtype). `cuda` None:
     where torch puts the model by default (--device auto)."""
-    from .cpu_dtype import choose_dtype
+    from ferroxmp.gpu_worker.cpu_dtype import choose_dtype
     raw = checkpoint.get("torch_dtype") or checkpoint.get("dtype") or "float32"
     known = isinstance(raw, str) and raw in _DTYPES
     if name == "auto" and not known:
@@ -139,9 +139,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def _gguf_config(model_path: str) -> tuple[dict, list[int]]:
-    from ..checkpoint.gguf_file import open_gguf
-    from ..checkpoint.gguf_tokenizer import eog_token_ids
-    from ..checkpoint.validate import validated_gguf
+    from ferroxmp.checkpoint.gguf_file import open_gguf
+    from ferroxmp.checkpoint.gguf_tokenizer import eog_token_ids
+    from ferroxmp.checkpoint.validate import validated_gguf
     try:
         g = open_gguf(model_path)
         return validated_gguf(g), eog_token_ids(g)
@@ -154,7 +154,7 @@ def _gguf_config(model_path: str) -> tuple[dict, list[int]]:
 def load_config(model_path: str, dtype: str = "auto") -> ModelConfig:
     """The checkpoint's config, validated whole against its tensors and tokenizer
     (checkpoint/validate.py) before anything is allocated from it."""
-    from ..checkpoint.validate import validated_folder
+    from ferroxmp.checkpoint.validate import validated_folder
     if is_gguf(model_path):
         raw, eos_ids = _gguf_config(model_path)
         where = model_path
@@ -245,7 +245,7 @@ Select = Callable[[str, tuple], Optional[tuple]]
 def _compress_then_select(name: str, t: torch.Tensor, fmt: str, select: Optional[Select]):
     """A weight held in groups (quant.Groups): quantized whole, then cut, so a
     tensor-parallel shard holds exactly tp=1's values."""
-    from .quant import Groups
+    from ferroxmp.gpu_worker.quant import Groups
     index = () if select is None else select(name, tuple(t.shape))
     if index is None:
         return None
@@ -254,7 +254,7 @@ def _compress_then_select(name: str, t: torch.Tensor, fmt: str, select: Optional
 
 
 def _release_freed_memory() -> None:
-    from .quant.packed import release_freed_memory
+    from ferroxmp.gpu_worker.quant.packed import release_freed_memory
     release_freed_memory()
 
 
@@ -265,13 +265,13 @@ def _float_dtype(fmt: Optional[str], dtype: torch.dtype) -> torch.dtype:
 def load_weights(model_path: str, device: torch.device, dtype: torch.dtype,
                  select: Optional[Select] = None, quantization: str = "none") -> dict[str, Any]:
     """Every tensor, or with `select(name, shape)` -> a tuple of slices (() = whole,
-    None = skip) only those parts: a tensor-parallel rank's shard (tp.py). Safetensors
+    None = skip) only those parts: a tensor-parallel rank's shard (parallel/group.py). Safetensors
     slices are read from the file as slices; GGUF tensors are dequantized whole, then cut.
     quantization (a mode resolved by quant.resolve_mode) gives each tensor the format
     quant.target_format names: 'int4'/'int8' come back as quant.Groups (quantized whole,
     then cut; a GGUF's Q4_0/Q4_1/Q8_0 blocks as stored), 'fp16' as float16 tensors (the
     model packs them for FBGEMM)."""
-    from .quant import target_format
+    from ferroxmp.gpu_worker.quant import target_format
     if is_gguf(model_path):
         out = _load_gguf_weights(model_path, device, dtype, select, quantization)
         _release_freed_memory()
@@ -303,11 +303,11 @@ def load_weights(model_path: str, device: torch.device, dtype: torch.dtype,
 
 def _load_gguf_weights(model_path: str, device: torch.device, dtype: torch.dtype,
                        select: Optional[Select] = None, quantization: str = "none") -> dict[str, Any]:
-    from ..checkpoint.gguf_config import hf_config
-    from ..checkpoint.gguf_file import open_gguf
-    from ..checkpoint.gguf_weights import hf_name, row_order, weight, weight_names
-    from .quant import Groups, target_format
-    from .quant.policy import AS_STORED, log_gguf_conversions
+    from ferroxmp.checkpoint.gguf_config import hf_config
+    from ferroxmp.checkpoint.gguf_file import open_gguf
+    from ferroxmp.checkpoint.gguf_weights import hf_name, row_order, weight, weight_names
+    from ferroxmp.gpu_worker.quant import Groups, target_format
+    from ferroxmp.gpu_worker.quant.policy import AS_STORED, log_gguf_conversions
     g = open_gguf(model_path)
     raw = hf_config(g)
     heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]
@@ -348,14 +348,14 @@ def weight_bytes(model_path: str, dtype: torch.dtype, quantization: str = "none"
     """Bytes the weights will take (from the file headers, nothing loaded): each tensor in
     the format quant.target_format gives it (quant.policy.format_bytes), and under fp16 a
     head tied to the embedding a second copy (FBGEMM's packed one)."""
-    from .quant import target_format
-    from .quant.policy import format_bytes
+    from ferroxmp.gpu_worker.quant import target_format
+    from ferroxmp.gpu_worker.quant.policy import format_bytes
     itemsize = torch.empty((), dtype=dtype).element_size()
     shapes: dict[str, tuple] = {}
     stored: dict[str, str] = {}
     if is_gguf(model_path):
-        from ..checkpoint.gguf_file import open_gguf
-        from ..checkpoint.gguf_weights import hf_name, weight_names
+        from ferroxmp.checkpoint.gguf_file import open_gguf
+        from ferroxmp.checkpoint.gguf_weights import hf_name, weight_names
         g = open_gguf(model_path)
         for n in weight_names(g):
             shapes[hf_name(n)], stored[hf_name(n)] = g.tensors[n].shape, g.tensors[n].type_name

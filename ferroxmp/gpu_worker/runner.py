@@ -25,21 +25,21 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from ..protocol import (BatchResult, ForwardBatch, NewRow, ProtocolError, RowStep, SamplingParams, pack_ids,
+from ferroxmp.protocol import (BatchResult, ForwardBatch, NewRow, ProtocolError, RowStep, SamplingParams, pack_ids,
                         unpack_ids)
-from ..radix.pages import PagePool
-from .attention import PlanError, backend_layout, make_backend
-from .ngram import Backoff, propose
-from .isolation import fail_batch, skip_failed
-from .kv_pool import KVPool
-from .loader import ModelConfig, load_config, load_weights, resolve_device
-from .models import build_model
-from .pooling import MODES as POOLING_MODES, Pooled, normed
-from .quant import describe_bytes, resolve_mode
-from .sampler import RowSample, logprobs_of, sample, sample_rows
+from ferroxmp.radix.pages import PagePool
+from ferroxmp.gpu_worker.attention import PlanError, backend_layout, make_backend
+from ferroxmp.gpu_worker.sampling.ngram import Backoff, propose
+from ferroxmp.gpu_worker.isolation import fail_batch, skip_failed
+from ferroxmp.gpu_worker.kv.pool import KVPool
+from ferroxmp.gpu_worker.loader import ModelConfig, load_config, load_weights, resolve_device
+from ferroxmp.gpu_worker.models import build_model
+from ferroxmp.gpu_worker.pooling import MODES as POOLING_MODES, Pooled, normed
+from ferroxmp.gpu_worker.quant import describe_bytes, resolve_mode
+from ferroxmp.gpu_worker.sampling.sampler import RowSample, logprobs_of, sample, sample_rows
 
 if TYPE_CHECKING:  # llguidance (grammar.py) loads on the first constrained request
-    from .grammar import GrammarCache, RowGrammar
+    from ferroxmp.gpu_worker.sampling.grammar import GrammarCache, RowGrammar
 log = logging.getLogger("ferroxmp.worker")
 
 
@@ -81,13 +81,13 @@ class ModelRunner:
             weights = load_weights(model_path, self.device, self.config.dtype, quantization=self.quantization)
             self.model = build_model(self.config, weights, self.device)
             shape = self.config
-        else:  # this rank's shard (tp.py): its heads, its slice of the MLP and vocabulary
+        else:  # this rank's shard (parallel/group.py): its heads, its slice of the MLP and vocabulary
             self.model, shape = tp.build_model(model_path, self.config, self.device, self.quantization)
         if deterministic:  # --deterministic: batch-invariant matmuls and attention (batch_invariant.py)
             if self.device.type != "cpu":
                 raise RuntimeError("--deterministic is measured and tested on CPU only; on CUDA the "
                                    "batch invariance of cuBLAS and of the attention kernels is unverified")
-            from .batch_invariant import make_deterministic
+            from ferroxmp.gpu_worker.batch_invariant import make_deterministic
             make_deterministic(self.model)
             attention = "det"
         self.page_size = page_size
@@ -162,7 +162,7 @@ class ModelRunner:
     @property
     def grammars(self) -> "GrammarCache":
         if self._grammars is None:
-            from .grammar import GrammarCache
+            from ferroxmp.gpu_worker.sampling.grammar import GrammarCache
             self._grammars = GrammarCache.for_checkpoint(self.model_path, self.config.vocab_size,
                                                          self.config.eos_token_ids)
         return self._grammars
@@ -182,7 +182,7 @@ class ModelRunner:
         if not hasattr(self.attn, "enable_padding"):
             log.info("CUDA graphs off: the %s attention backend has no padded decode path", self.attn.name)
             return None
-        from .cuda_graphs import DecodeGraphs, graph_batch_sizes
+        from ferroxmp.gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
         sizes = graph_batch_sizes(pool.max_rows)
         self.attn.enable_padding(sizes[-1], sizes[-1] * pool.max_pages_per_row, pad_page=pool.num_pages)
         return DecodeGraphs(self.model, self.attn, sizes, self.device)
@@ -446,7 +446,7 @@ class ModelRunner:
         gram = [j for j, st in enumerate(want) if st.grammar is not None and st.grammar_on]
         bitmask = None
         if gram:
-            from .grammar import allocate
+            from ferroxmp.gpu_worker.sampling.grammar import allocate
             bitmask = allocate(len(gram), self.config.vocab_size)
         for k, j in enumerate(gram):
             want[j].grammar.fill(bitmask, k)

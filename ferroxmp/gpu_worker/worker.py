@@ -43,18 +43,18 @@ if "OMP_WAIT_POLICY" not in os.environ:
 import torch  # noqa: E402
 import zmq  # noqa: E402
 
-from .. import protocol
-from ..config import ServerArgs, setup_logging, watch_parent
-from ..liveness import Heartbeat, remove_if_orphaned
-from . import faults
-from ..radix.pages import PagePool
-from . import cpu_dtype
-from .grammar_prep import GrammarPrep
-from .gpu_memory import after_load, cuda_kv_budget, measure, profile_lengths, profile_pages
-from .kv_pool import pages_for_budget
-from .kv_tiers import open_tiers
-from .loader import UnsupportedModel, load_config, resolve_device, weight_bytes
-from .runner import ModelRunner
+from ferroxmp import protocol
+from ferroxmp.config import ServerArgs, setup_logging, watch_parent
+from ferroxmp.liveness import Heartbeat, remove_if_orphaned
+from ferroxmp.gpu_worker import faults
+from ferroxmp.radix.pages import PagePool
+from ferroxmp.gpu_worker import cpu_dtype
+from ferroxmp.gpu_worker.sampling.grammar_prep import GrammarPrep
+from ferroxmp.gpu_worker.gpu_memory import after_load, cuda_kv_budget, measure, profile_lengths, profile_pages
+from ferroxmp.gpu_worker.kv.pool import pages_for_budget
+from ferroxmp.gpu_worker.kv.tiers import open_tiers
+from ferroxmp.gpu_worker.loader import UnsupportedModel, load_config, resolve_device, weight_bytes
+from ferroxmp.gpu_worker.runner import ModelRunner
 
 log = logging.getLogger("ferroxmp.worker")
 POLL_MS = 500
@@ -81,17 +81,17 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
     torch.set_num_threads(sa.worker_threads or max(1, _cores() // local_ranks))
     model_path = sa.model
     if model_path is None:
-        from ..tiny_model import ensure_demo_model
+        from ferroxmp.tiny_model import ensure_demo_model
         model_path = ensure_demo_model()
     device = resolve_device(sa.device)
     cfg = load_config(model_path, sa.dtype)
     dtype_reason = cpu_dtype.LAST.reason if cpu_dtype.LAST is not None else cfg.dtype_name
     emulated = device.type == "cpu" and cpu_dtype.half_is_emulated(cfg.dtype)
     log.log(logging.WARNING if emulated else logging.INFO, "serving in %s", dtype_reason)
-    shape, leader = cfg, None  # --tp > 1: rank 0 of the group (tp_step.py); its KV holds its heads only
+    shape, leader = cfg, None  # --tp > 1: rank 0 of the group (parallel/step.py); its KV holds its heads only
     if sa.tp > 1:
-        from . import tp_step
-        from .tp import Shard
+        from ferroxmp.gpu_worker.parallel import step as tp_step
+        from ferroxmp.gpu_worker.parallel.group import Shard
         shape = Shard(cfg, 0, sa.tp).local_config
     max_model_len = min(sa.max_model_len or math.inf, cfg.max_position_embeddings)
     max_pages_per_row = math.ceil(max_model_len / sa.page_size)
@@ -132,7 +132,7 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
         if tiers is not None:  # the index rebuilt from disk; queued until the scheduler binds
             results.send(protocol.encode(tiers.initial_report()))
         log.info("worker ready: %s", info)
-        # Compiles run on their own threads (grammar_prep.py), never in this loop; with
+        # Compiles run on their own threads (sampling/grammar_prep.py), never in this loop; with
         # --tp only this rank samples, so only it compiles.
         prep = GrammarPrep(ctx, ends["worker_results"], lambda: runner.grammars, runner.faults)
         return _serve(runner, pull, results, parent_alive, heart, leader, prep, tiers)
@@ -183,7 +183,7 @@ def _pool_and_runner(sa: ServerArgs, cfg, shape, model_path: str, pool_name: str
         num_pages = pages_for_budget(shape, sa.page_size, cfg.dtype, sa.kv_pages, sa.kv_cache_gb,
                                      sa.mem_fraction, device)
     if leader is not None:
-        from . import tp_step
+        from ferroxmp.gpu_worker.parallel import step as tp_step
         num_pages = tp_step.agree_pages(leader.tp, num_pages, sa, cfg, max_pages_per_row)
     pool = PagePool.create(num_pages, name=pool_name, **table)
     return _unlink_on_error(pool, lambda: ModelRunner(model_path, pool, sa.page_size, **runner_args))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..loader import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModel
-from .llama import DecoderLM
+from ferroxmp.gpu_worker.loader import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModel
+from ferroxmp.gpu_worker.models.llama import DecoderLM
 
 MODEL_CLASSES = {arch: DecoderLM for arch in SUPPORTED_ARCHITECTURES}
 

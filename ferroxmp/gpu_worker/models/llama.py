@@ -24,12 +24,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..attention import AttentionBackend
-from ..loader import ModelConfig
-from ..quant import Groups, cat_rows
-from ..quant import linear as quant_linear
-from ..quant import pack as quant_pack
-from ..quant.packed import release_freed_memory
+from ferroxmp.gpu_worker.attention import AttentionBackend
+from ferroxmp.gpu_worker.loader import ModelConfig
+from ferroxmp.gpu_worker.quant import Groups, cat_rows
+from ferroxmp.gpu_worker.quant import linear as quant_linear
+from ferroxmp.gpu_worker.quant import pack as quant_pack
+from ferroxmp.gpu_worker.quant.packed import release_freed_memory
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -131,7 +131,7 @@ class DecoderLM:
     def weight_bytes(self) -> dict[str, int]:
         """Resident bytes of every weight this model holds, by format (a tensor shared by
         the embedding and a tied head counts once; Groups: values + per-group scales)."""
-        from ..quant import tensor_bytes
+        from ferroxmp.gpu_worker.quant import tensor_bytes
         held = [self.embed, self.lm_head, self.norm] + [
             t for L in self.layers for t in (L.in_norm, L.post_norm, L.w_qkv, L.b_qkv, L.w_o, L.b_o,
                                              L.q_norm, L.k_norm, L.w_gate_up, L.w_down)]

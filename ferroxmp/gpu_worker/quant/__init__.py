@@ -17,9 +17,9 @@ PyPI wheel ships no CPU kernels (tools/bench_quant.py, docs/BENCHMARKS.md 18); F
 dynamic int8 quantizes activations per call, which changed SmolLM2's greedy answers from
 the first tokens. groups.c keeps activations float32.
 """
-from .groups import Groups, cat_rows
-from .packed import PackedF16, linear, pack
-from .policy import QUANTIZED_SUFFIXES, describe_bytes, resolve_mode, should_quantize, target_format, tensor_bytes
+from ferroxmp.gpu_worker.quant.groups import Groups, cat_rows
+from ferroxmp.gpu_worker.quant.packed import PackedF16, linear, pack
+from ferroxmp.gpu_worker.quant.policy import QUANTIZED_SUFFIXES, describe_bytes, resolve_mode, should_quantize, target_format, tensor_bytes
 
 __all__ = ["Groups", "PackedF16", "QUANTIZED_SUFFIXES", "cat_rows", "describe_bytes", "linear", "pack",
            "resolve_mode", "should_quantize", "target_format", "tensor_bytes"]

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .native import library
+from ferroxmp.gpu_worker.quant.native import library
 
 GROUP = 32
 # Above this many activation rows (a prefill chunk) the weight is widened to float32 once

@@ -31,7 +31,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from ...checkpoint import is_gguf
+from ferroxmp.checkpoint import is_gguf
 
 MODES = ("auto", "none", "fp16", "int8", "int4")
 QUANTIZED_SUFFIXES = ("_proj.weight", "model.embed_tokens.weight", "lm_head.weight")
@@ -57,7 +57,7 @@ def resolve_mode(requested: str, model_path: str, device: torch.device, determin
                                       "batch-invariant (a prefill chunk takes another path than a decode row); "
                                       "use --quantization none")
         if requested != "fp16":
-            from .native import available
+            from ferroxmp.gpu_worker.quant.native import available
             why = available()
             if why is not None:
                 raise QuantizationRefused(f"--quantization {requested}: {why}")
@@ -73,8 +73,8 @@ def block_quantized_gguf(model_path: str) -> bool:
     Hugging Face folder, so its output stays bit-equal to the folder's."""
     if not is_gguf(model_path):
         return False
-    from ...checkpoint.gguf_file import open_gguf
-    from ...checkpoint.gguf_weights import hf_name, weight_names
+    from ferroxmp.checkpoint.gguf_file import open_gguf
+    from ferroxmp.checkpoint.gguf_weights import hf_name, weight_names
     g = open_gguf(model_path)
     return any(g.tensors[n].type_name not in FLOAT_TYPES
                for n in weight_names(g) if should_quantize(hf_name(n)))
@@ -135,7 +135,7 @@ def log_gguf_conversions(g, mode: str) -> None:
     """One log line per GGUF storage type among the tensors kept compressed: what it becomes."""
     import logging
 
-    from ...checkpoint.gguf_weights import hf_name, weight_names
+    from ferroxmp.checkpoint.gguf_weights import hf_name, weight_names
     log = logging.getLogger("ferroxmp.worker")
     seen: Counter = Counter()
     for n in weight_names(g):

@@ -1,0 +1,1 @@
+"""Anthropic's Messages API (`messages`), a thin dialect over the shared chat path."""
