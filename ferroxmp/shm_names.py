@@ -7,7 +7,7 @@ who owns it: `fxmp_<pid>_<start>_<random>`, the supervisor's pid and its start t
 (field 22 of /proc/PID/stat, clock ticks since boot). A pid can be reused by an
 unrelated process; pid + start time cannot. `ferroxmp serve` removes, before it
 creates its own, every such segment of this user whose owner is gone, one log line
-each.
+each (removed through radix/pages.py, the one module that creates and removes segments).
 
 Invariants: a segment whose owner lives (same pid AND same start time) is never
 touched; a name this module cannot parse is never touched; an older name without a
@@ -21,6 +21,8 @@ import logging
 import os
 import secrets
 from typing import Optional
+
+from ferroxmp.radix.pages import remove_segment
 
 PREFIX = "fxmp_"
 SHM_DIR = "/dev/shm"
@@ -64,10 +66,10 @@ def owner_alive(pid: int, start: Optional[int]) -> bool:
     return start is None or started == start
 
 
-def remove_dead_segments(shm_dir: str = SHM_DIR) -> list[str]:
+def remove_dead_segments() -> list[str]:
     """Unlink this user's ferroxmp segments whose owner is gone; returns their names."""
     removed = []
-    for path in sorted(glob.glob(os.path.join(shm_dir, PREFIX + "*"))):
+    for path in sorted(glob.glob(os.path.join(SHM_DIR, PREFIX + "*"))):
         name = os.path.basename(path)
         who = owner(name)
         try:
@@ -77,7 +79,7 @@ def remove_dead_segments(shm_dir: str = SHM_DIR) -> list[str]:
         if who is None or st.st_uid != os.getuid() or owner_alive(*who):
             continue
         try:
-            os.unlink(path)
+            remove_segment(name)
         except OSError as e:
             log.warning("could not remove shared-memory segment %s left by a dead server: %s", path, e)
             continue

@@ -39,6 +39,7 @@ import zmq
 from ferroxmp.config import ServerArgs, setup_logging
 from ferroxmp.liveness import Monitor, process_state
 from ferroxmp.protocol import ProtocolError, Ready, Shutdown, decode, encode, endpoints
+from ferroxmp.radix.pages import remove_segment
 from ferroxmp.shm_names import remove_dead_segments, segment_name
 
 log = logging.getLogger("ferroxmp.supervisor")
@@ -70,14 +71,6 @@ def remove_stale_run_dirs() -> None:
             continue
         if os.path.isdir(path) and os.stat(path).st_uid == os.getuid() and not os.path.exists(f"/proc/{pid}"):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def unlink_segment(name: str) -> None:
-    try:
-        from multiprocessing import _posixshmem  # type: ignore[attr-defined]
-        _posixshmem.shm_unlink("/" + name)
-    except (ImportError, FileNotFoundError, OSError):
-        pass
 
 
 class Supervisor:
@@ -290,7 +283,7 @@ class Supervisor:
                 proc.wait()
             if proc.returncode not in (0, -signal.SIGTERM):
                 log.info("%s (pid %d) ended with %s", name, proc.pid, proc.returncode)
-        unlink_segment(self.pool_name)
+        remove_segment(self.pool_name)  # a worker killed with -9 could not (radix/pages.py)
         self.monitor.close()
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)

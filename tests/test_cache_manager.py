@@ -123,11 +123,11 @@ class CacheMachine(RuleBasedStateMachine):
     def decode(self, i, token):
         req = self._pick(i)
         req.computed = req.known_len
-        req.output.append(token)
+        req.ids.append(token)
         ok = self.cache.allocate(req.cache, req.known_len)
         self._sync_after_evict()
         if not ok:
-            req.output.pop()
+            req.ids.truncate(len(req.ids) - 1)
             return
         self._write(req)
 
@@ -153,7 +153,7 @@ class CacheMachine(RuleBasedStateMachine):
         for r, before in zip(boundary, pages_before):
             assert r.cache.pages[:-1] == before and len(r.cache.pages) == len(before) + 1
             r.computed = r.known_len
-            r.output.append(token)
+            r.ids.append(token)
             self._write(r)
 
     @precondition(lambda self: self.rows)

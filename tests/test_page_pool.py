@@ -216,3 +216,22 @@ def test_the_segment_is_gone_after_unlink():
     pool.unlink()
     with pytest.raises(FileNotFoundError):
         PagePool.attach(name)
+
+
+def test_a_segment_is_removed_by_name_from_another_process_and_only_once():
+    """Pins: the supervisor's teardown removal (a worker killed with -9 leaves its pool)
+    was a silent no-op — it imported shm_unlink from the wrong module and swallowed the
+    ImportError. The segment's existence in /dev/shm is the oracle."""
+    from ferroxmp.radix.pages import remove_segment
+    pool = PagePool.create(4, max_rows=2, max_pages_per_row=2)
+    try:
+        name = pool.name
+        assert os.path.exists(f"/dev/shm/{name}")
+        code = f"from ferroxmp.radix.pages import remove_segment; print(remove_segment({name!r}))"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == "True", out.stderr
+        assert not os.path.exists(f"/dev/shm/{name}")
+        assert remove_segment(name) is False  # already gone: said, not raised
+    finally:
+        pool.close()
+        pool.unlink()

@@ -105,7 +105,7 @@ class TieredCacheMachine(CacheMachine):
     @rule(i=st.integers(0, 99), reserve=st.integers(0, 2))
     def start_load(self, i, reserve):
         req = self.waiting[i % len(self.waiting)]
-        req.kv_probe = None
+        self.cache.memo(req).probe = None
         self.cache.moves.start_load(req, reserve, 0.0)
         self._sync_after_evict()
         self._worker_takes_ops()

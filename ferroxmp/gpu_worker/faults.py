@@ -75,7 +75,7 @@ class Faults:
                 raise ValueError(f"{ENV}: unknown fault {key!r}")
         return cls(**kw)
 
-    def before_forward(self, ids: Sequence[int]) -> None:
+    def before_forward(self, ids) -> None:  # the step's input ids (an int array)
         if self.forward_hang_token is not None and self.forward_hang_token in ids:
             log.warning("fault injection: forward hangs for %.0fs", self.forward_hang_s)
             time.sleep(self.forward_hang_s)

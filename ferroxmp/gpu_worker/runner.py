@@ -4,8 +4,8 @@ Job: keep each row's known tokens, sampling parameters and seed; turn a batch's 
 into one flat forward over the paged KV pool; sample the rows that ask; report.
 
 Invariants:
-- A row's token list is prompt (+ tokens generated before a retraction) + every token
-  this worker sampled for it; a step feeds tokens[start:start+length], so a decode step
+- A row's tokens (one int32 buffer grown in place, token_ids.TokenIds) are prompt (+
+  tokens generated before a retraction) + every token this worker sampled for it; a step feeds tokens[start:start+length], so a decode step
   (start = len - 1, length 1) feeds the last sampled token without the scheduler sending it.
 - A batch is validated whole before anything changes: a bad batch (unknown row, a start
   past the known tokens, a sampling step that does not end at the last known token, a
@@ -28,6 +28,7 @@ import torch
 from ferroxmp.protocol import (BatchResult, ForwardBatch, NewRow, ProtocolError, RowStep, SamplingParams, pack_ids,
                         unpack_ids)
 from ferroxmp.radix.pages import PagePool
+from ferroxmp.token_ids import TokenIds
 from ferroxmp.gpu_worker.attention import PlanError, backend_layout, make_backend
 from ferroxmp.gpu_worker.sampling.ngram import Backoff, propose
 from ferroxmp.gpu_worker.isolation import fail_batch, skip_failed
@@ -49,7 +50,7 @@ class BatchError(ValueError):
 
 @dataclass
 class RowState:
-    tokens: list[int]
+    tokens: TokenIds
     prompt_len: int  # tokens known when the row was (re)started
     params: SamplingParams
     seed: int
@@ -193,7 +194,7 @@ class ModelRunner:
         return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)
 
     def row_tokens(self, row: int) -> list[int]:
-        return list(self.rows[row].tokens)
+        return self.rows[row].tokens.array.tolist()
 
     def _stage_rows(self, batch: ForwardBatch) -> dict[int, RowState]:
         staged: dict[int, RowState] = {}
@@ -202,10 +203,10 @@ class ModelRunner:
                 raise BatchError(f"new row {nr.row} is not a row slot (0..{self.pool.max_rows - 1})")
             if nr.row in staged:
                 raise BatchError(f"row {nr.row} is started twice in one batch")
-            ids = unpack_ids(nr.token_ids).tolist()
-            if not ids:
+            ids = TokenIds(unpack_ids(nr.token_ids))  # the row's one copy of its tokens
+            if not len(ids):
                 raise BatchError(f"new row {nr.row} has no tokens")
-            if min(ids) < 0 or max(ids) >= self.config.vocab_size:
+            if ids.array.min() < 0 or ids.array.max() >= self.config.vocab_size:
                 raise BatchError(f"new row {nr.row} has a token id outside the vocabulary "
                                  f"(0..{self.config.vocab_size - 1})")
             staged[nr.row] = st = RowState(ids, nr.prompt_len or len(ids), nr.params, nr.seed)
@@ -214,7 +215,7 @@ class ModelRunner:
                     raise BatchError(f"new row {nr.row}: pooling {nr.params.pooling!r} is not one of {POOLING_MODES}")
                 st.pooled = Pooled(nr.params.pooling)
             if nr.params.grammar is not None:  # a fresh matcher, replaying what it generated
-                generated = ids[st.prompt_len:]
+                generated = ids[st.prompt_len:].tolist()
                 if nr.params.grammar_after:  # only what follows the end of the thinking
                     end = _end_of(generated, nr.params.grammar_after)
                     st.grammar_on = end is not None
@@ -291,7 +292,7 @@ class ModelRunner:
                 continue
             k = min(k, limit - (s.start + s.length))
             if k > 0 and st.backoff.wants_draft():
-                draft = propose(st.tokens, k)
+                draft = propose(st.tokens.array, k)
                 if draft:
                     out[s.row] = draft
         return out
@@ -299,15 +300,15 @@ class ModelRunner:
     def _run(self, batch: ForwardBatch, staged: dict[int, RowState], plan, t0: float,
              drafts: dict[int, list[int]]) -> BatchResult:
         state = {**self.rows, **staged}
-        ids: list[int] = []
+        pieces = []  # views of the rows' buffers; one concatenation makes the step's input
         for i in plan.order:
             s = batch.steps[i]
-            ids.extend(state[s.row].tokens[s.start:s.start + s.length])
-            if drafts:
-                ids.extend(drafts.get(s.row, ()))
+            pieces.append(state[s.row].tokens[s.start:s.start + s.length])
+            if drafts and s.row in drafts:
+                pieces.append(np.asarray(drafts[s.row], dtype=np.int32))
+        ids_np = np.concatenate(pieces).astype(np.int64)
         if self.faults is not None:
-            self.faults.before_forward(ids)
-        ids_np = np.array(ids, dtype=np.int64)
+            self.faults.before_forward(ids_np)
         with torch.inference_mode():
             if self.tp is not None:
                 self.tp.send_step(plan, ids_np)
@@ -348,7 +349,7 @@ class ModelRunner:
                     st.grammar.advance(tok)
                 else:  # thinking: the grammar starts after the marker's last token
                     mark = st.params.grammar_after
-                    st.grammar_on = st.tokens[-len(mark):] == mark and len(st.tokens) - st.prompt_len >= len(mark)
+                    st.grammar_on = st.tokens.ends_with(mark) and len(st.tokens) - st.prompt_len >= len(mark)
         return BatchResult(batch_id=batch.batch_id, rows=pack_ids([r for r, _ in ok]),
                            tokens=pack_ids([t for _, t in ok]),
                            spec_tokens={r: pack_ids(x) for r, x in spec.items() if x},
@@ -375,7 +376,7 @@ class ModelRunner:
                 continue
             first = plan.last_index[i] - s.length + 1  # the step's first token, internal order
             logits = self._logits_at(hidden, slice(first, first + stop - s.start - 1))
-            targets = torch.tensor(st.tokens[s.start + 1:stop], device=self.device)
+            targets = torch.from_numpy(st.tokens[s.start + 1:stop].astype(np.int64)).to(self.device)
             out[s.row] = logprobs_of(logits, targets, [n] * len(targets))
         return out
 
@@ -456,6 +457,6 @@ class ModelRunner:
             p = st.params
             blocked = (list(self.config.eos_token_ids) + list(p.stop_token_ids)
                        if len(st.tokens) - st.prompt_len < p.min_tokens else ())
-            out.append(RowSample(p, st.seed, len(st.tokens), st.tokens if p.has_penalties else None,
+            out.append(RowSample(p, st.seed, len(st.tokens), st.tokens.array if p.has_penalties else None,
                                  st.prompt_len, allowed=allowed.get(j), blocked=blocked))
         return out

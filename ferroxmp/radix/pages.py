@@ -8,6 +8,14 @@ live row that reads the page (one ref each).
 
 The free list is private to the writer: `alloc` never hands out a partial grant,
 and `release` below zero is a bug caught at once (a double free), not later.
+
+The segment's life is this module's: `PagePool.create` makes it, `attach` opens it
+without taking a share of its life, and `PagePool.unlink` / `remove_segment` are the
+only code that removes one. Who calls them, and why each is needed: the worker creates
+the server's pool (its size is known only once the model is loaded) and removes it on
+every exit path; the supervisor removes it again once its children are gone (a worker
+killed with -9 could not); a later `ferroxmp serve` removes the pool of a server whose
+every process was killed with -9 (`shm_names.remove_dead_segments`).
 """
 from __future__ import annotations
 
@@ -225,7 +233,19 @@ class PagePool:
             pass
 
     def unlink(self) -> None:
+        """Remove the segment (its creator: `shm.unlink` also drops the resource tracker's
+        registration, which `remove_segment` by name cannot)."""
         try:
             self.shm.unlink()
         except FileNotFoundError:
             pass
+
+
+def remove_segment(name: str) -> bool:
+    """Remove the segment `name`, made by another process; False if it was not there."""
+    import _posixshmem  # CPython's shm_unlink, what SharedMemory.unlink calls (POSIX only)
+    try:
+        _posixshmem.shm_unlink("/" + name)
+    except FileNotFoundError:
+        return False
+    return True

@@ -47,6 +47,16 @@ class CacheHandle:
     keys: list[bytes] = field(default_factory=list)  # chain keys of the first pages (KV tiers only)
 
 
+@dataclass(eq=False, slots=True)
+class Memo:
+    """What the cache manager remembers of a request between steps, kept here rather than
+    on the request (one writer): its last match and the (tree version, known length) it
+    was made at, its last tier probe (tier_moves.py), the chain keys of its pages."""
+    match: tuple[int, int, int] = (-1, -1, 0)
+    probe: Optional[tuple] = None
+    keys: list = field(default_factory=list)
+
+
 @dataclass
 class CacheManager:
     pool: PagePool
@@ -63,6 +73,17 @@ class CacheManager:
         self.free_rows = list(range(self.pool.max_rows - 1, -1, -1))
         self.handles: dict[int, CacheHandle] = {}  # row -> handle
         self.row_refs = RowRefs(self.pool.num_pages)  # live rows holding each page
+        self.memos: dict[Any, Memo] = {}  # request (by identity) -> Memo, until `forget`
+
+    def memo(self, req) -> Memo:
+        m = self.memos.get(req)
+        if m is None:
+            m = self.memos[req] = Memo()
+        return m
+
+    def forget(self, req) -> None:
+        """The core dropped `req` (finished, aborted, expired): its memo goes too."""
+        self.memos.pop(req, None)
 
     # -- reads ---------------------------------------------------------------------
 
@@ -98,11 +119,12 @@ class CacheManager:
         if (self.tree is None or n < 2 or req.params.prompt_logprobs is not None
                 or req.params.pooling in ("mean", "cls")):
             return 0
-        version, known, tokens = req.cache_match
+        memo = self.memo(req)
+        version, known, tokens = memo.match
         if version == self.tree.version and known == n:
             return tokens
         tokens = self.tree.peek(req.tokens[:n - 1], req.salt)
-        req.cache_match = (self.tree.version, n, tokens)
+        memo.match = (self.tree.version, n, tokens)
         return tokens
 
     def pages_needed(self, req) -> int:
@@ -213,7 +235,7 @@ class CacheManager:
         self.pool.clear_row(h.row)
         del self.handles[h.row]
         self.free_rows.append(h.row)
-        req.cache = None
+        req.released()
 
     def release_window(self, req, window: int) -> int:
         """Drop the row's refs on pages wholly before every position it can still read.

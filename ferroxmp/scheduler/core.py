@@ -117,6 +117,7 @@ class SchedulerCore:
             req.finish(reason)
             self._emit(req)
             del self.requests[rid]
+            self.cache.forget(req)
             return
         req.finish(reason)
         self._emit(req)
@@ -135,13 +136,14 @@ class SchedulerCore:
                 req = self.requests.get(rid)
                 if req is not None and req.kv_load is not None:
                     log.warning("KV load for %s is late; recomputing its prefix", rid)
-                    req.kv_load = None
+                    req.load_over()
         if now <= self._expires_at:
             return
         for req in [r for r in self.waiting if r.retractions == 0
                     and now - r.arrival > self.cfg.queue_timeout]:
             self.waiting.remove(req)
             del self.requests[req.rid]
+            self.cache.forget(req)
             self.outbox.refuse(RowOut(
                 req.rid, finish_reason="error", status=503, prompt_tokens=len(req.prompt),
                 error=f"the request waited {now - req.arrival:.1f}s for a free row or KV pages without being "
@@ -232,7 +234,7 @@ class SchedulerCore:
         rid, host, disk = done
         req = self.requests.get(rid)
         if req is not None and req.kv_load == msg.load_id:  # it waited for them: its hits
-            req.kv_load = None
+            req.load_over()
             self.totals.kv_hit_tokens_host += host
             self.totals.kv_hit_tokens_disk += disk
 
@@ -254,13 +256,13 @@ class SchedulerCore:
         return self.cache.moves.take_ops() if self.cache.moves is not None and self.cache.moves.ops else []
 
     def new_row(self, req: Request) -> NewRow:
-        return NewRow(req.row, np.asarray(req.tokens, "<i4").tobytes(), req.params, req.seed,
+        return NewRow(req.row, req.ids.packed(), req.params, req.seed,
                       len(req.prompt))
 
     def retract(self, req: Request) -> None:
         """Free a decoding row's pages for older rows; it re-queues ahead of new work
         and, because it publishes first, re-admission is mostly a cache hit."""
-        req.retracting = True
+        req.start_retract()
         self.totals.retractions += 1
         log.info("retracting %s at %d tokens (pool exhausted)", req.rid, req.known_len)
         self._release_if_done(req)
@@ -304,6 +306,7 @@ class SchedulerCore:
             del self.live[req.row]
             self.cache.release(req)
             self.requests.pop(req.rid, None)
+            self.cache.forget(req)
         elif req.retracting:
             del self.live[req.row]
             self.cache.release(req)
@@ -347,6 +350,8 @@ class SchedulerCore:
         for steps in self.inflight.values():
             for req, _ in steps:
                 counts[req.rid] = counts.get(req.rid, 0) + 1
+        for req in self.cache.memos:  # a dropped request's memo would leak, never mislead (by identity)
+            assert self.requests.get(req.rid) is req, f"the cache manager remembers {req.rid}, which is gone"
         for req in self.requests.values():
             assert req.inflight == counts.get(req.rid, 0), (req.rid, req.inflight)
             assert (req.state == State.WAITING) == (req in self.waiting), (req.rid, req.state)

@@ -10,13 +10,10 @@ compute it); refusals carry their own 400/503.
 """
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
 
 from ferroxmp.protocol import RowOut
 from ferroxmp.scheduler.request import Request, State
-
-_PACK1 = struct.Struct("<i").pack
 
 
 @dataclass
@@ -41,8 +38,7 @@ class Outbox:
             k = req.reported_tokens
             if (len(req.output) == k + 1 and k > 0 and req.state is not finished
                     and not req.pending_logprobs and not req.pending_prompt_logprobs):
-                req.reported_tokens = k + 1
-                outs.append(RowOut(req.rid, _PACK1(req.output[k])))
+                outs.append(RowOut(req.rid, req.report_one()))
                 continue
             out = _row_out(req)
             if out is not None:
@@ -52,19 +48,15 @@ class Outbox:
 
 
 def _row_out(req: Request):
-    new = req.output[req.reported_tokens:]
-    if not new and req.state != State.FINISHED:
+    if len(req.output) == req.reported_tokens and req.state != State.FINISHED:
         return None
-    lps = req.pending_logprobs or None
-    req.reported_tokens = len(req.output)
-    req.pending_logprobs = []
-    ids = _PACK1(new[0]) if len(new) == 1 else struct.pack(f"<{len(new)}i", *new)
+    ids, lps, plps = req.take_report()
     # Positional (RowOut's field order): this runs once per row per step.
     out = RowOut(req.rid, ids, lps, req.finish_reason, req.error,
                  500 if req.finish_reason == "error" else 200,
                  len(req.prompt), req.cached_tokens, req.queue_time)
     if req.embedding:
         out.embedding = req.embedding
-    if req.pending_prompt_logprobs:
-        out.prompt_logprobs, req.pending_prompt_logprobs = req.pending_prompt_logprobs, []
+    if plps:
+        out.prompt_logprobs = plps
     return out

@@ -4,10 +4,17 @@
        ▲                   │                              │
        └────── retract ────┴──────────────────────────────┘
 
-Token ids stay int32 arrays: `prompt` is the wire array itself; `tokens` adds
-what was sampled (a copy only once there is output, e.g. after a retraction).
+Token ids stay int32: `prompt` is the wire array itself, copied once into `ids`
+(token_ids.TokenIds), which grows in place as tokens are sampled; `tokens` and
+`output` are views of it, never copies.
 The request's hold on the KV cache is `cache`, a handle only the cache manager
-(cache.py) reads or writes; the request knows its row slot through it, nothing more.
+(cache.py) reads; the request knows its row slot through it, nothing more.
+
+One writer: every field below is written only by the methods of this class (the
+transitions), called by the core and its helpers (results.py, outputs.py, the cache
+manager's admit/release); nothing outside assigns a field. What the cache manager
+remembers of a request (its match memo, tier probes, chain keys) is the cache
+manager's own state (cache.py `Memo`), not the request's.
 
 Positions: `scheduled` counts the positions whose KV has been sent to the worker
 (in flight or done); `computed` those whose batch has reported back. A row's pages
@@ -23,6 +30,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ferroxmp.protocol import Logprobs, SamplingParams
+from ferroxmp.token_ids import TokenIds
 
 
 class State(enum.Enum):
@@ -41,10 +49,9 @@ class Request:
     seed: int = 0
     salt: str = ""  # prefixes are shared only between requests with the same salt
     stops: frozenset = frozenset()  # sampled ids that end it with "stop" (EOS unless ignore_eos, stop_token_ids)
-    output: list[int] = field(default_factory=list)
+    ids: TokenIds = None  # type: ignore[assignment]  # prompt + output (__post_init__)
     state: State = State.WAITING
     cache: Any = None  # the cache manager's handle while the request holds a row
-    cache_match: tuple[int, int, int] = (-1, -1, 0)  # the cache manager's memo: (version, known_len, tokens)
     scheduled: int = 0
     computed: int = 0
     sampled_scheduled: int = 0  # sampling steps sent; output grows as they report
@@ -65,18 +72,20 @@ class Request:
     prefill_target: int = 0  # positions to prefill before sampling: all tokens known at admission
     sampled_before: int = 0  # outputs that existed at (re-)admission
     embedding: bytes = b""  # an embedding row's pooled vector, from its one sampling step
-    # KV tiers (tier_moves.py): the load this request waits for (not admitted meanwhile),
-    # the (tree, index, length) versions it was last probed at, its pages' chain keys.
-    kv_load: Optional[int] = None
-    kv_probe: Optional[tuple] = None
-    kv_keys: list = field(default_factory=list)
+    kv_load: Optional[int] = None  # KV tiers: the load it waits for (not admitted meanwhile)
+
+    def __post_init__(self) -> None:
+        self.ids = TokenIds(self.prompt)
 
     @property
     def tokens(self) -> np.ndarray:
-        """Every token whose id is known, int32: the prompt, then what was sampled."""
-        if not self.output:
-            return self.prompt
-        return np.concatenate((self.prompt, np.asarray(self.output, dtype=np.int32)))
+        """Every token whose id is known, int32: the prompt, then what was sampled (a view)."""
+        return self.ids.array
+
+    @property
+    def output(self) -> np.ndarray:
+        """What was sampled, int32 (a view)."""
+        return self.ids.array[len(self.prompt):]
 
     @property
     def row(self) -> Optional[int]:
@@ -84,7 +93,7 @@ class Request:
 
     @property
     def known_len(self) -> int:
-        return len(self.prompt) + len(self.output)
+        return len(self.ids)
 
     # -- transitions ----------------------------------------------------------------
 
@@ -116,6 +125,81 @@ class Request:
         self.scheduled = self.computed = 0
         self.retractions += 1
         self.retracting = False
+
+    def released(self) -> None:
+        """The cache manager took its row and pages back (cache.py `release`)."""
+        self.cache = None
+
+    def start_retract(self) -> None:
+        """Chosen to give its pages back; it returns to WAITING once no batch names it."""
+        self.retracting = True
+
+    def wait_for_load(self, load_id: int) -> None:
+        self.kv_load = load_id
+
+    def load_over(self) -> None:
+        """Its load arrived or is overdue: admissible again (a late load's pages are recomputed)."""
+        self.kv_load = None
+
+    def reported(self, end: Optional[int]) -> None:
+        """A batch naming this row reported back; positions before `end` are computed (None:
+        the row failed there). An errored row's KV is not trusted: never extended."""
+        self.inflight -= 1
+        if end is not None and end > self.computed and self.finish_reason != "error":
+            self.computed = end
+
+    def add_token(self, token: int, logprobs: Optional[Logprobs] = None) -> None:
+        """A sampled token (its logprobs, if asked): it may end the request."""
+        self.ids.append(token)
+        if logprobs is not None:
+            self.pending_logprobs.append(logprobs)
+        if int(token) in self.stops:
+            self.finish("stop")
+        elif len(self.ids) - len(self.prompt) >= self.params.max_tokens:
+            self.finish("length")
+
+    def accept_drafts(self, start: int, extra: np.ndarray) -> int:
+        """The draft tokens the worker accepted after the row's sampled one (decode step at
+        `start`): appended in order up to a stop or max_tokens, and the row moved past them:
+        their positions' KV is computed. Safe only because no batch is planned behind a
+        speculative one (scheduler.py: one batch in flight). Returns tokens appended."""
+        n = 0
+        for token in extra:
+            if self.state is State.FINISHED:
+                break
+            self.add_token(token)
+            n += 1
+        self.computed = self.scheduled = start + 1 + len(extra)
+        self.sampled_scheduled += len(extra)
+        return n
+
+    def add_prompt_logprobs(self, first: int, lps: list) -> None:
+        """Keep, in order, the entries for prompt positions not reported yet; they travel
+        with the request's next RowOut (the one carrying its first token)."""
+        skip = self.prompt_logprobs_next - first
+        if 0 <= skip < len(lps):
+            self.pending_prompt_logprobs.extend(lps[skip:])
+            self.prompt_logprobs_next = first + len(lps)
+
+    def pooled(self, vec: bytes) -> None:
+        """An embedding row's vector: it travels with the RowOut that ends it (max_tokens 1)."""
+        self.embedding = vec
+
+    def report_one(self) -> bytes:
+        """The one token sampled since the last report, as wire bytes (the common case)."""
+        k = self.reported_tokens
+        self.reported_tokens = k + 1
+        return self.ids.packed(len(self.prompt) + k)
+
+    def take_report(self) -> tuple[bytes, Optional[list], list]:
+        """Everything not reported yet: (token ids as wire bytes, their logprobs or None,
+        prompt logprobs), now counted as reported."""
+        new = self.ids.packed(len(self.prompt) + self.reported_tokens)
+        lps = self.pending_logprobs or None
+        plps = self.pending_prompt_logprobs
+        self.reported_tokens = len(self.ids) - len(self.prompt)
+        self.pending_logprobs, self.pending_prompt_logprobs = [], []
+        return new, lps, plps
 
     def finish(self, reason: str, error: Optional[str] = None) -> None:
         if self.state != State.FINISHED:

@@ -31,19 +31,15 @@ def apply_decode(batch: InFlight, tokens: list[int], logprobs: dict,
     ended = []
     n = 0
     for req, row, start, token in zip(batch.decode, batch.rows, batch.starts, tokens):
-        req.inflight -= 1
+        req.reported(start + 1)
         if req.state is finished:  # ended while this batch was in flight: token dropped
-            if req.finish_reason != "error" and start >= req.computed:
-                req.computed = start + 1  # an errored row's KV is not trusted: not extended
             if req.inflight == 0:
                 ended.append(req)
             continue
-        if start >= req.computed:
-            req.computed = start + 1
-        _append(req, token, logprobs.get(row) if logprobs else None)
+        req.add_token(token, logprobs.get(row) if logprobs else None)
         n += 1
         if spec and row in spec:
-            n += _accept_drafts(req, start, spec[row])
+            n += req.accept_drafts(start, unpack_ids(spec[row]))
         news[req.rid] = req
         if req.inflight == 0 and (req.state is finished or req.retracting):
             ended.append(req)
@@ -57,20 +53,18 @@ def apply_steps(res: BatchResult, steps: list[tuple[Request, RowStep]], cache: C
     sampled = dict(zip(unpack_ids(res.rows).tolist(), unpack_ids(res.tokens).tolist()))
     n = 0
     for req, step in steps:
-        req.inflight -= 1
         if failed and (why := res.error or row_errors.get(step.row)) is not None:
+            req.reported(None)
             if req.state != State.FINISHED:
                 log.error("request %s failed in batch %d: %s", req.rid, res.batch_id, why)
                 req.finish("error", f"the model worker failed this request: {why}")
                 news[req.rid] = req
             continue
+        req.reported(step.start + step.length)
         if req.finish_reason == "error":
             continue  # its KV is not trusted any more: never published, never extended
         if res.prompt_logprobs and (plps := res.prompt_logprobs.get(step.row)):
-            _add_prompt_logprobs(req, step.start + 1, plps)
-        end = step.start + step.length
-        if end > req.computed:
-            req.computed = end
+            req.add_prompt_logprobs(step.start + 1, plps)
         if step.start < req.prefill_target and req.state != State.FINISHED and not req.retracting:
             cache.publish(req)  # a finished prefill chunk is shared at once (contract 1)
         if step.sample and req.state != State.FINISHED:
@@ -80,48 +74,13 @@ def apply_steps(res: BatchResult, steps: list[tuple[Request, RowStep]], cache: C
                 news[req.rid] = req
                 continue
             if res.embeddings and (vec := res.embeddings.get(step.row)) is not None:
-                req.embedding = vec  # travels with the RowOut that ends it (max_tokens 1)
-            _append(req, token, logprobs.get(step.row) if logprobs else None)
+                req.pooled(vec)
+            req.add_token(token, logprobs.get(step.row) if logprobs else None)
             n += 1
             if res.spec_tokens and step.row in res.spec_tokens:
-                n += _accept_drafts(req, step.start, res.spec_tokens[step.row])
+                n += req.accept_drafts(step.start, unpack_ids(res.spec_tokens[step.row]))
             news[req.rid] = req
     ended = [req for req, _ in steps
              if req.inflight == 0 and (req.state is State.FINISHED or req.retracting)]
     return n, ended
 
-
-def _add_prompt_logprobs(req: Request, first: int, lps: list) -> None:
-    """Keep, in order, the entries for prompt positions not reported yet; they travel
-    with the request's next RowOut (the one carrying its first token)."""
-    skip = req.prompt_logprobs_next - first
-    if 0 <= skip < len(lps):
-        req.pending_prompt_logprobs.extend(lps[skip:])
-        req.prompt_logprobs_next = first + len(lps)
-
-
-def _accept_drafts(req: Request, start: int, packed: bytes) -> int:
-    """The draft tokens the worker accepted after the row's sampled one (decode step at
-    `start`): appended in order, up to a stop or max_tokens, and the row moved past
-    them: their positions' KV is computed. Safe only because no batch is planned behind
-    a speculative one (scheduler.py: one batch in flight). Returns tokens appended."""
-    extra = unpack_ids(packed).tolist()
-    n = 0
-    for token in extra:
-        if req.state is State.FINISHED:
-            break
-        _append(req, token, None)
-        n += 1
-    req.computed = req.scheduled = start + 1 + len(extra)
-    req.sampled_scheduled += len(extra)
-    return n
-
-
-def _append(req: Request, token: int, logprobs) -> None:
-    req.output.append(token)
-    if logprobs is not None:
-        req.pending_logprobs.append(logprobs)
-    if token in req.stops:
-        req.finish("stop")
-    elif len(req.output) >= req.params.max_tokens:
-        req.finish("length")

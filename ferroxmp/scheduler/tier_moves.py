@@ -103,15 +103,15 @@ class TierMoves:
         if (req.kv_load is not None or not idx.where or n < 2 or req.params.prompt_logprobs is not None
                 or req.params.pooling in ("mean", "cls")):
             return False
-        memo = (cache.tree.version, idx.version, n)
-        if req.kv_probe == memo:
+        memo, probed = cache.memo(req), (cache.tree.version, idx.version, n)
+        if memo.probe == probed:
             return False
-        req.kv_probe = memo
+        memo.probe = probed
         ps = cache.page_size
         base, limit = cache.match(req) // ps, (n - 1) // ps  # adoption stops before the last token
         if base >= limit:
             return False
-        keys = chain_keys(req.kv_keys, req.salt, req.tokens, ps, limit)
+        keys = chain_keys(memo.keys, req.salt, req.tokens, ps, limit)
         k = 0
         while base + k < limit and keys[base + k] in idx.where:
             k += 1
@@ -119,7 +119,7 @@ class TierMoves:
         if k == 0 or (probe and self.skipped % PROBE_EVERY != 0):
             return False
         if cache.available_pages - cache.pages_needed(req) < reserve:
-            req.kv_probe = None  # no room now: try again next step
+            memo.probe = None  # no room now: try again next step
             return False
         node, base_pages = None, []
         if base:
@@ -130,7 +130,7 @@ class TierMoves:
         if pages is None:
             if node is not None:
                 cache.tree.unlock(node)
-            req.kv_probe = None
+            memo.probe = None
             return False
         load = Load(self._next_id, req.rid, req.salt, np.array(req.tokens[:(base + k) * ps]), node,
                     base_pages, pages, keys[base:base + k],
@@ -138,7 +138,8 @@ class TierMoves:
         self._next_id += 1
         self.loads[load.load_id] = load
         self.loading_pages += len(pages)
-        req.kv_load = None if probe else load.load_id  # a probe's request does not wait for it
+        if not probe:  # a probe's request does not wait for it
+            req.wait_for_load(load.load_id)
         self.ops.append(KVLoad(load.load_id, pack_ids(pages), load.keys))
         return True
 

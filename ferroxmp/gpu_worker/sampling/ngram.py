@@ -21,8 +21,8 @@ MAX_N, MIN_N = 3, 2  # n-gram lengths tried, longest first (1 token matches too 
 MAX_SKIP = 15
 
 
-def propose(tokens: list[int], k: int) -> list[int]:
-    a = np.asarray(tokens, dtype=np.int64)
+def propose(tokens, k: int) -> list[int]:
+    a = np.asarray(tokens)  # the row's int32 buffer as it is: no copy
     size = len(a)
     for n in range(MAX_N, MIN_N - 1, -1):
         if size <= n:

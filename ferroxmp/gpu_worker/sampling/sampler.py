@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from ferroxmp.protocol import Logprobs, SamplingParams
@@ -116,7 +117,8 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[RowSample]) -> torch.Te
     gen = torch.zeros(n, vocab, dtype=torch.float32, device=logits.device)
     seen = torch.zeros(n, vocab, dtype=torch.bool, device=logits.device)
     for j, i in enumerate(idx):
-        toks = torch.as_tensor(list(rows[i].tokens or []), dtype=torch.int64, device=logits.device)
+        toks = torch.as_tensor(np.asarray(rows[i].tokens if rows[i].tokens is not None else (), dtype=np.int64),
+                               device=logits.device)
         seen[j, toks] = True
         gen[j].index_add_(0, toks[rows[i].prompt_len:], torch.ones(len(toks) - rows[i].prompt_len,
                                                                    device=logits.device))

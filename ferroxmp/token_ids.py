@@ -1,0 +1,75 @@
+"""TokenIds: a row's token ids as one int32 buffer, grown in place.
+
+Job: the one representation of a request's tokens between the wire and the model. The
+scheduler's Request and the worker's row state each hold one; the wire carries the
+same int32 bytes (`protocol.pack_ids`), so a prompt is converted once where it arrives
+(`from_wire`) and a token appended is one store, not a copy of the row.
+
+Invariants: `array` is a view of the first `len(self)` ids (no copy; it is valid until
+the next append that grows the buffer, so callers do not keep it across appends);
+growth doubles the capacity, so appending n tokens costs O(n) in all.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Union
+
+import numpy as np
+
+IDS = np.dtype("<i4")  # the wire's dtype (protocol.pack_ids), so views pack without a cast
+
+
+class TokenIds:
+    __slots__ = ("_buf", "_n")
+
+    def __init__(self, ids: Union[np.ndarray, Iterable[int]] = ()) -> None:
+        a = np.asarray(ids, dtype=IDS)  # a wire array is already int32: no cast here
+        self._buf = np.empty(max(16, 2 * len(a)), dtype=IDS)
+        self._buf[:len(a)] = a
+        self._n = len(a)
+
+    @classmethod
+    def from_wire(cls, buf: bytes) -> "TokenIds":
+        """From packed int32 bytes (`protocol.pack_ids`): the one copy at arrival."""
+        return cls(np.frombuffer(buf, dtype=IDS))
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def array(self) -> np.ndarray:
+        """Every id, as a view of the buffer."""
+        return self._buf[:self._n]
+
+    def __getitem__(self, key):
+        return self._buf[:self._n][key]
+
+    def _reserve(self, extra: int) -> None:
+        need = self._n + extra
+        if need > len(self._buf):
+            grown = np.empty(max(need, 2 * len(self._buf)), dtype=IDS)
+            grown[:self._n] = self._buf[:self._n]
+            self._buf = grown
+
+    def append(self, token: int) -> None:
+        self._reserve(1)
+        self._buf[self._n] = token
+        self._n += 1
+
+    def extend(self, tokens) -> None:
+        a = np.asarray(tokens, dtype=IDS)
+        self._reserve(len(a))
+        self._buf[self._n:self._n + len(a)] = a
+        self._n += len(a)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n ids (0 <= n <= len)."""
+        assert 0 <= n <= self._n, (n, self._n)
+        self._n = n
+
+    def packed(self, start: int = 0, end: int | None = None) -> bytes:
+        """ids[start:end] as wire bytes (the copy into a message)."""
+        return self._buf[start:self._n if end is None else min(end, self._n)].tobytes()
+
+    def ends_with(self, mark) -> bool:
+        n = len(mark)
+        return 0 < n <= self._n and bool(np.array_equal(self._buf[self._n - n:self._n], mark))
