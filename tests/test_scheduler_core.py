@@ -6,6 +6,8 @@ which batch admitted which request, which pages are held by whom (the pool's
 refcounts, checked against every holder by `check_integrity` after every step)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engine import StubEngine
@@ -373,3 +375,60 @@ def test_with_no_page_to_spare_the_queue_is_not_scored(stub):
     del cache.match
     eng.run_to_idle()
     assert all(eng.finish_reason(r) == "length" for r in [hog] + waiting)
+
+
+def _snapshot(eng: StubEngine) -> tuple:
+    """Everything planning could change: the pool's three arrays, the tree, row slots and
+    handles, and every field of every request (its ids by value)."""
+    import dataclasses
+    core, cache = eng.core, eng.core.cache
+    reqs = []
+    for r in sorted(core.requests.values(), key=lambda r: r.rid):
+        fields = tuple((f.name, getattr(r, f.name)) for f in dataclasses.fields(r)
+                       if f.name not in ("ids", "prompt", "pending_logprobs", "pending_prompt_logprobs"))
+        reqs.append((fields, r.tokens.tobytes(), len(r.pending_logprobs)))
+    handles = {row: (list(h.pages), h.adopted, h.published, id(h.lock)) for row, h in cache.handles.items()}
+    tree = (cache.tree.version, cache.tree.num_pages, cache.tree.evictable_pages)
+    return (eng.pool.refs.tobytes(), eng.pool.page_table.tobytes(), eng.pool.row_lens.tobytes(), tree,
+            list(cache.free_rows), handles, [r.rid for r in core.waiting], reqs)
+
+
+def test_planning_is_pure_and_the_plan_is_what_commit_applies(stub):
+    """Pins: a planner that admits, allocates, evicts or writes a request while planning
+    (issue 27). Under pressure — a pool too small for the load, so plans retract,
+    evict cached prefixes and defer admissions — planning twice from the same state must
+    change nothing and give the same plan; committing it is what moves the state. The
+    pressure is checked too, or the test would prove purity of an idle planner only."""
+    from ferroxmp.scheduler.batch import plan_batch
+    eng = stub(num_pages=40, page_size=4, max_batch_tokens=24, max_rows=6)
+    for i in range(4):
+        warm(eng, PREFIX[:24] + [i])  # cached prefixes that admissions evict
+    for i in range(10):
+        eng.submit(PREFIX[:20] + [200 + i] * (i % 4), max_tokens=40 + i)
+    core, seen = eng.core, {"retract": 0, "admit": 0, "grow": 0}
+    for _ in range(2000):
+        if core.idle and not eng.queue:
+            break
+        while len(eng.queue) < 2:
+            now = time.time()
+            before = _snapshot(eng)
+            args = (core.waiting, core.live.values(), core.cache, core.cfg.max_batch_tokens, now,
+                    core.cfg.aging_s, core.step_budget.prefill_allowance)
+            plan = plan_batch(*args)
+            assert _snapshot(eng) == before, "planning changed the scheduler's state"
+            again = plan_batch(*args)
+            key = lambda p: ([r.rid for r in p.decode], [r.rid for r in p.grow], [(r.rid, n, s) for r, n, s in p.steps],
+                             [(a.req.rid, a.chunk, a.blocking) for a in p.admit], [r.rid for r in p.retract])
+            assert key(again) == key(plan), "the same state planned twice gave two plans"
+            seen["retract"] += len(plan.retract)
+            seen["admit"] += len(plan.admit)
+            seen["grow"] += len(plan.grow)
+            batch = core.commit(plan, now)
+            core.check_integrity()
+            if batch is None:
+                break
+            eng.queue.append(batch)
+        if eng.queue:
+            eng.report(eng.answer(eng.queue[0]))
+    assert core.idle, "the load did not drain"
+    assert seen["retract"] and seen["admit"] >= 10 and seen["grow"], seen

@@ -1,6 +1,7 @@
 """Planning one step: every decoding row, then prefill chunks, then admissions, up to
-the token budget. `plan_batch` reads the queues and asks the cache manager for pages;
-it returns a `Plan` and changes no request: the core applies it.
+the token budget. `plan_batch` is a pure function of (queues, a read of the cache
+manager, budget): it counts pages instead of taking them, changes no request, no page
+and no tree node, and returns a `Plan` as data; `SchedulerCore.commit` applies it.
 
 Order is the policy: decode rows first (one token each, oldest first), so a long
 prompt being prefilled never stalls anyone's stream; then chunks of rows already
@@ -12,14 +13,16 @@ adopt is that row's next page to publish. Everything that can adopt what is cach
 is admitted in the same step, as many as fit. A blocking candidate (retracted or
 aged) that is deferred or does not fit stops admission: nothing younger passes it.
 
-Decode rows are planned in one pass over the live rows; those at a page boundary
-get their next page in one allocation (`CacheManager.grow`). Only when the pool
-cannot give them all is the step planned again row by row.
-
-When a decode row needs a page the pool cannot give even after eviction, the
-youngest row is retracted; its pages come back when the core releases it (at once,
-or when its batch in flight reports), so the row waits a step. One retraction at a
-time: a pending one may already cover the need.
+Pages are counted against `CacheManager.available_pages` (free, plus what eviction
+could free): the decode rows at a page boundary take one each; when they cannot all
+have one, the youngest row is retracted (its pages come back when the core releases
+it, at once or when its batch in flight reports) and the row without a page waits a
+step. One retraction at a time: a pending one may already cover the need. Each
+admission takes the pages its match leaves to compute. The count is an upper bound
+(an adopted prefix, once locked, is no longer evictable), so `commit` can still find
+an allocation short: then the decode row waits a step, or the admission is dropped
+(and, if it was blocking, every admission after it), exactly as if the page had not
+been there when planning.
 """
 from __future__ import annotations
 
@@ -27,9 +30,16 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Callable, Iterable, Optional
 
-from ferroxmp.scheduler.cache import CacheHandle, CacheManager
+from ferroxmp.scheduler.cache import CacheManager
 from ferroxmp.scheduler.policy import admission_order
 from ferroxmp.scheduler.request import Request, State
+
+
+@dataclass(slots=True)
+class Admission:
+    req: Request
+    chunk: int  # prefill tokens planned for it this step (from what it is expected to adopt)
+    blocking: bool  # if it cannot be admitted after all, no admission after it is either
 
 
 @dataclass
@@ -37,9 +47,11 @@ class Plan:
     # Decode rows, one sampled token each, oldest first: the bulk of a step, kept apart
     # from the chunks so the core applies them in one tight pass (no tuple per row).
     decode: list[Request] = field(default_factory=list)
+    grow: list[Request] = field(default_factory=list)  # decode rows at a page boundary: one page each
     steps: list[tuple[Request, int, bool]] = field(default_factory=list)  # chunks: (request, length, sample)
-    admitted: list[tuple[Request, CacheHandle]] = field(default_factory=list)
+    admit: list[Admission] = field(default_factory=list)
     retract: list[Request] = field(default_factory=list)
+    reserve: int = 0  # pages admissions leave for the decode rows
 
 
 _ARRIVAL = attrgetter("arrival")
@@ -53,10 +65,8 @@ def plan_batch(waiting: list[Request], live: Iterable[Request], cache: CacheMana
     step_budget.py). Decode rows are never cut by it."""
     plan = Plan()
     live = sorted(live, key=_ARRIVAL)
-    prefilling, left = _plan_decode(plan, live, cache, budget, bulk=True)
-    if left is None:  # the pool is short of pages: again row by row, retracting if need be
-        plan.decode.clear()
-        prefilling, left = _plan_decode(plan, live, cache, budget, bulk=False)
+    pages = cache.available_pages
+    prefilling, left, pages = _plan_decode(plan, live, cache.page_size, budget, pages)
     budget = left if prefill_cap is None else min(left, prefill_cap(len(plan.decode)))
 
     retract = plan.retract
@@ -76,29 +86,29 @@ def plan_batch(waiting: list[Request], live: Iterable[Request], cache: CacheMana
                       and r.sampled_scheduled + r.sampled_before < r.params.max_tokens)
         # Every admission needs at least one fresh page beyond the decode rows' reserve:
         # without one, the queue is not even scored.
-        if cache.available_pages > reserve:
+        plan.reserve = reserve
+        if pages > reserve:
             # Until its last chunk reports back (computed, not merely scheduled), a
             # prefix is not in the tree yet.
             active = (State.PREFILLING, State.DECODING)
             unpublished = [r for r in live if not r.retracting and r.state in active
                            and r.computed < r.prefill_target]
-            _admit(plan, waiting, unpublished, cache, budget, now, aging_s, reserve=reserve)
+            _admit(plan, waiting, unpublished, cache, budget, pages, now, aging_s)
     return plan
 
 
-def _plan_decode(plan: Plan, live: list[Request], cache: CacheManager, budget: int,
-                 bulk: bool) -> tuple[list[Request], Optional[int]]:
+def _plan_decode(plan: Plan, live: list[Request], ps: int, budget: int,
+                 pages: int) -> tuple[list[Request], int, int]:
     """One pass over every live row (this runs every step): decode rows are planned
-    oldest first, prefilling rows collected for after them. Returns those and the
-    budget left. With `bulk`, rows at a page boundary get their pages in one
-    allocation at the end; if the pool cannot give them all, no page was taken
-    (eviction may have run) and the budget is None: the caller plans again
-    without `bulk`, row by row, retracting as the policy says."""
-    decode, prefilling, retract, grow = plan.decode, [], plan.retract, []
+    oldest first, prefilling rows collected for after them. Returns those, the token
+    budget and the pages left. If the rows at a page boundary cannot all have a page,
+    the pass is made again giving pages oldest first and retracting for the first row
+    left without one."""
+    decode, prefilling, grow = plan.decode, [], plan.grow
     decoding_state, prefilling_state = State.DECODING, State.PREFILLING
-    ps = cache.page_size
+    start_budget, start_pages = budget, pages
     for req in live:
-        if req.retracting or (retract and req in retract):
+        if req.retracting:
             continue
         state = req.state
         if state is prefilling_state:
@@ -106,16 +116,30 @@ def _plan_decode(plan: Plan, live: list[Request], cache: CacheManager, budget: i
         elif (state is decoding_state and budget > 0
               and req.sampled_scheduled + req.sampled_before < req.params.max_tokens):  # sampling steps left
             if req.scheduled >= len(req.cache.pages) * ps:  # at a page boundary
-                if bulk:
-                    grow.append(req.cache)
-                elif not cache.allocate(req.cache, req.scheduled + 1):
-                    _retract_for(req, live, plan)
-                    continue  # no page this step; it comes back when the retracted row is released
+                grow.append(req)
             decode.append(req)
             budget -= 1
-    if grow and not cache.grow(grow):
-        return prefilling, None
-    return prefilling, budget
+    if len(grow) <= pages:
+        return prefilling, budget, pages - len(grow)
+    # The pool is short: row by row, oldest first; a row without a page waits a step.
+    decode.clear()
+    grow.clear()
+    budget, pages, retract = start_budget, start_pages, plan.retract
+    for req in live:
+        if req.retracting or req.state is not decoding_state or (retract and req in retract):
+            continue
+        if budget > 0 and req.sampled_scheduled + req.sampled_before < req.params.max_tokens:
+            if req.scheduled >= len(req.cache.pages) * ps:
+                if pages <= 0:
+                    _retract_for(req, live, plan)
+                    continue  # no page this step; it comes back when the retracted row is released
+                grow.append(req)
+                pages -= 1
+            decode.append(req)
+            budget -= 1
+    if retract:
+        prefilling = [r for r in prefilling if r not in retract]
+    return prefilling, budget, pages
 
 
 def _retract_for(req: Request, live: list[Request], plan: Plan) -> None:
@@ -130,32 +154,36 @@ def _retract_for(req: Request, live: list[Request], plan: Plan) -> None:
 
 
 def _admit(plan: Plan, waiting: list[Request], prefilling: list[Request], cache: CacheManager,
-           budget: int, now: float, aging_s: float, reserve: int) -> None:
+           budget: int, pages: int, now: float, aging_s: float) -> None:
     ps = cache.page_size
     share = cache.tree is not None
     pending = _next_pages(prefilling, ps) if share else {}
+    rows = len(cache.free_rows)
     for req, blocking in admission_order(waiting, now, aging_s, cache.match):
-        if budget <= 0 or not cache.free_rows:
+        if budget <= 0 or rows <= 0:
             break
         if req.kv_load is not None:
             continue  # its prefix is on its way up from the host/disk tier (tier_moves.py)
+        adopt = cache.match(req)  # what admission adopts: the same capped, page-aligned match
         if pending:
-            end = cache.match(req) + ps
+            end = adopt + ps
             if end < req.known_len and (req.salt, req.tokens[:end].tobytes()) in pending:
                 if blocking:
                     break  # an aged request waits for the prefix; nothing younger passes it
                 continue
-        handle = cache.admit(req, reserve)
-        if handle is None:
+        need = cache.pages_needed(req)
+        if pages - need < plan.reserve:
             if blocking:
                 break
             continue
-        plan.admitted.append((req, handle))
-        remaining = req.known_len - handle.adopted
+        remaining = req.known_len - adopt
         chunk = min(remaining, budget)
+        plan.admit.append(Admission(req, chunk, blocking))
         plan.steps.append((req, chunk, chunk == remaining))
+        pages -= need
+        rows -= 1
         budget -= chunk
-        end = (handle.adopted // ps + 1) * ps
+        end = (adopt // ps + 1) * ps
         if share and end <= req.known_len:
             pending[(req.salt, req.tokens[:end].tobytes())] = req
 

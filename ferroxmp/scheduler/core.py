@@ -25,7 +25,7 @@ import numpy as np
 from ferroxmp.protocol import (BatchResult, ForwardBatch, GenerateReq, GrammarReady, KVLoaded, KVTierReport, NewRow,
                                RowOut, RowStep, Stats, unpack_ids)
 from ferroxmp.radix.pages import PagePool
-from ferroxmp.scheduler.batch import plan_batch
+from ferroxmp.scheduler.batch import Plan, plan_batch
 from ferroxmp.scheduler.cache import CacheManager, pages_for
 from ferroxmp.scheduler.grammar_wait import GrammarWait
 from ferroxmp.scheduler.inflight import InFlight
@@ -154,15 +154,31 @@ class SchedulerCore:
     # -- batches out ---------------------------------------------------------------
 
     def build_batch(self, now: float) -> Optional[ForwardBatch]:
-        """Plan a step and apply the plan: retractions, admissions, then the steps."""
+        """Plan a step (a pure function) and commit the plan."""
         if self.waiting and self.cache.moves is not None and self.tiers.where:
             self._start_loads(now)
         plan = plan_batch(self.waiting, self.live.values(), self.cache, self.cfg.max_batch_tokens,
                           now, self.cfg.aging_s, self.step_budget.prefill_allowance)
+        return self.commit(plan, now)
+
+    def commit(self, plan: Plan, now: float) -> Optional[ForwardBatch]:
+        """Apply a plan, in its order: retractions, the decode rows' pages, admissions (each
+        takes its row, pages and adopted prefix), then every step is scheduled. Where the
+        plan's page count was too hopeful (batch.py), a decode row waits a step and an
+        admission is dropped, and after a blocking one, every admission after it."""
         for req in plan.retract:
             self.retract(req)
-        new_rows = []
-        for req, handle in plan.admitted:
+        if plan.grow and not self.cache.grow([r.cache for r in plan.grow]):
+            short = [r for r in plan.grow if not self.cache.allocate(r.cache, r.scheduled + 1)]
+            plan.decode = [r for r in plan.decode if r not in short]
+        new_rows, chunks_of = [], {}
+        stopped = False
+        for a in plan.admit:
+            handle = None if stopped else self.cache.admit(a.req, plan.reserve)
+            if handle is None:
+                stopped = stopped or a.blocking
+                continue
+            req = a.req
             self.waiting.remove(req)
             first = req.admitted_at is None
             req.admit(handle, handle.adopted, now)
@@ -171,6 +187,12 @@ class SchedulerCore:
                 self.totals.prompt_tokens += len(req.prompt)
                 self.totals.cached_prompt_tokens += req.cached_tokens
             new_rows.append(self.new_row(req))
+            remaining = req.known_len - handle.adopted  # eviction may have taken part of its match
+            chunks_of[req] = min(remaining, a.chunk), min(remaining, a.chunk) == remaining
+        if plan.admit:  # the admissions' chunks: as planned, or as admitted, or dropped
+            admitting = {a.req for a in plan.admit}
+            plan.steps = [(r, *chunks_of[r]) if r in chunks_of else (r, n, sample)
+                          for r, n, sample in plan.steps if r not in admitting or r in chunks_of]
         if not plan.decode and not plan.steps:
             return None
         # Decode rows in one pass (most of a step); then the prefill chunks.
