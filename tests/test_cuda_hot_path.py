@@ -146,7 +146,10 @@ def test_a_runner_profiled_over_a_small_pool_then_attached_to_the_real_one_decod
     real = PagePool.create(num_pages=8, max_rows=4, max_pages_per_row=8)
     try:
         r = ModelRunner(tiny_models["llama"], probe, 16, device="cpu")
+        probe.page_table[:] = 7  # a sentinel: the pool's table has one writer, never the runner
         r.profile_step(lengths)
+        assert (probe.page_table == 7).all()
+        probe.page_table[:] = -1
         assert (probe.page_table == -1).all() and not r.rows  # nothing of the probe outlives it
         with pytest.raises(ValueError, match="needs"):
             r.profile_step(profile_lengths(1000, 4, 4096))  # more than the probe pool holds

@@ -134,16 +134,17 @@ class ModelRunner:
     def profile_step(self, lengths: list[int]) -> None:
         """One prefill step of len(lengths) rows, each sampling (the largest step the
         scheduler may send: --max-batch-tokens over up to --max-running-requests rows), on
-        consecutive pages of the pool. Writes the pool's page table, so only before the
-        scheduler attaches; the rows are forgotten after."""
+        consecutive pages of the pool, through a page table of its own: the pool's table
+        has one writer, the scheduler. The rows are forgotten after."""
         pages = [-(-n // self.page_size) for n in lengths]
         if sum(pages) > self.pool.num_pages or max(pages) > self.pool.max_pages_per_row:
             raise ValueError(f"profiling rows of {lengths[:4]}... tokens needs {sum(pages)} pages, up to "
                              f"{max(pages)} a row; the pool has {self.pool.num_pages}, "
                              f"{self.pool.max_pages_per_row} a row")
         first = np.cumsum([0] + pages)
+        table = np.full(self.pool.page_table.shape, -1, np.int32)
         for row, k in enumerate(pages):
-            self.pool.page_table[row, :k] = np.arange(first[row], first[row] + k)
+            table[row, :k] = np.arange(first[row], first[row] + k)
         ids = np.random.default_rng(0).integers(0, self.config.vocab_size, sum(lengths), dtype=np.int32)
         cuts = np.cumsum([0] + lengths)
         params = SamplingParams(max_tokens=1)
@@ -151,11 +152,10 @@ class ModelRunner:
                              new_rows=[NewRow(r, pack_ids(ids[cuts[r]:cuts[r + 1]]), params)
                                        for r in range(len(lengths))])
         try:
-            result = self.execute(batch)
+            result = self.execute(batch, table)
             if result.error or result.row_errors:
                 raise RuntimeError(f"the profiling step failed: {result.error or result.row_errors}")
         finally:
-            self.pool.page_table[:len(lengths)] = -1
             for row in range(len(lengths)):
                 self.rows.pop(row, None)
                 self.attn.forget(row)
@@ -246,7 +246,8 @@ class ModelRunner:
             if end > limit:
                 raise BatchError(f"row {s.row}: position {end - 1} is beyond the model's context ({limit})")
 
-    def execute(self, batch: ForwardBatch) -> BatchResult:
+    def execute(self, batch: ForwardBatch, table: Optional[np.ndarray] = None) -> BatchResult:
+        """`table`: a page table to read instead of the pool's (profile_step's own)."""
         t0 = time.perf_counter()
         batch, skipped = skip_failed(self.failed, batch)
         try:
@@ -261,9 +262,10 @@ class ModelRunner:
             triples = [(s.row, s.start, s.length + len(drafts.get(s.row, ()))) for s in batch.steps]
             # Copy only the stepped rows' entries (a snapshot: the scheduler may write other
             # rows meanwhile); the rest is never read (np.zeros: calloc'd, not copied).
-            stepped = sorted({s.row for s in batch.steps})
-            table = np.zeros(self.pool.page_table.shape, np.int32)
-            table[stepped] = self.pool.page_table[stepped]
+            if table is None:
+                stepped = sorted({s.row for s in batch.steps})
+                table = np.zeros(self.pool.page_table.shape, np.int32)
+                table[stepped] = self.pool.page_table[stepped]
             plan = self.attn.plan(triples, table)
         except (BatchError, PlanError, ProtocolError) as e:
             log.warning("batch %d refused: %s", batch.batch_id, e)
