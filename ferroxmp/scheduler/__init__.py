@@ -1,0 +1,2 @@
+"""The scheduler process: requests, their queues and states, the cache manager (pages,
+page table, radix tree, row slots), planning and committing each step."""
