@@ -111,6 +111,7 @@ class Request:
             self.cached_tokens = adopted
 
     def schedule(self, length: int, sample: bool) -> None:
+        assert self.state in (State.PREFILLING, State.DECODING) and self.cache is not None, self.state
         self.scheduled += length
         self.inflight += 1
         if sample:
@@ -128,10 +129,12 @@ class Request:
 
     def released(self) -> None:
         """The cache manager took its row and pages back (cache.py `release`)."""
+        assert self.inflight == 0, (self.rid, self.inflight)  # a batch in flight may still read them
         self.cache = None
 
     def start_retract(self) -> None:
         """Chosen to give its pages back; it returns to WAITING once no batch names it."""
+        assert self.state in (State.PREFILLING, State.DECODING) and not self.retracting, self.state
         self.retracting = True
 
     def wait_for_load(self, load_id: int) -> None:
@@ -144,12 +147,14 @@ class Request:
     def reported(self, end: Optional[int]) -> None:
         """A batch naming this row reported back; positions before `end` are computed (None:
         the row failed there). An errored row's KV is not trusted: never extended."""
+        assert self.inflight > 0, self.rid  # a result for a batch that did not name it
         self.inflight -= 1
         if end is not None and end > self.computed and self.finish_reason != "error":
             self.computed = end
 
     def add_token(self, token: int, logprobs: Optional[Logprobs] = None) -> None:
         """A sampled token (its logprobs, if asked): it may end the request."""
+        assert self.state is not State.FINISHED, self.rid  # a finished row's late token is dropped
         self.ids.append(token)
         if logprobs is not None:
             self.pending_logprobs.append(logprobs)
