@@ -22,6 +22,31 @@ import pytest
 
 from ferroxmp.tiny_model import TINY_SHAPES, build_model
 
+# Files whose tests start real servers, load the shipped model or build and run whole
+# tools (over 5 s a file, most of the suite's time). The edit loop skips them with
+# `-m "not slow"`; tools/test (and CI) runs everything.
+SLOW_FILES = {
+    "test_bench_serving.py", "test_browser.py", "test_connections.py", "test_crash_leftovers.py",
+    "test_default_model.py", "test_deterministic.py", "test_e2e_openai.py", "test_frontend_http.py",
+    "test_gguf.py", "test_gpu_check.py", "test_kv_tiers_server.py", "test_lm_eval.py",
+    "test_quant_model.py", "test_router.py", "test_scheduler_process.py", "test_slow_step.py",
+    "test_speculative.py", "test_stall.py", "test_supervisor.py", "test_tensor_parallel.py",
+}
+# Files that must not run beside other tests (tools/test runs them alone, after the
+# parallel part): a server start sweeps /dev/shm of dead servers' pools, which is what
+# test_crash_leftovers watches one server do; the stall and slow-step tests time pauses
+# and CPU progress against timeouts, which a busy neighbour would stretch.
+SERIAL_FILES = {"test_crash_leftovers.py", "test_stall.py", "test_slow_step.py", "test_liveness.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = os.path.basename(str(item.fspath))
+        if name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+        if name in SERIAL_FILES:
+            item.add_marker(pytest.mark.serial)
+
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
