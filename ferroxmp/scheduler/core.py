@@ -219,17 +219,18 @@ class SchedulerCore:
         return batch
 
     def _draft_budget(self, decode: list[Request], starts: list[int]) -> dict[int, int]:
-        """--speculative-ngram: how many draft tokens each decode row may have verified
-        this step (row -> k), with pages held for them. Only rows whose draw depends on
-        nothing but the logits, seed and position (no grammar, bias, min_tokens,
-        penalties; no logprobs); never past max_tokens; and drafting takes only free
-        pages: it never evicts a cached prefix or retracts a row."""
+        """Speculation (--speculative-ngram or --draft-model: one rule for both): how many
+        draft tokens each decode row may have verified this step (row -> k), with pages
+        held for them. Only rows whose draw depends on nothing but the logits, seed and
+        position (no grammar, bias, min_tokens, penalties; no logprobs); never past
+        max_tokens; and drafting takes only free pages: it never evicts a cached prefix
+        or retracts a row."""
         out, ps = {}, self.cfg.page_size
         for req, start in zip(decode, starts):
             p = req.params
             if not p.may_draft:
                 continue
-            k = min(self.cfg.spec_tokens, p.max_tokens - len(req.output) - 1)
+            k = min(self.cfg.spec_tokens, p.max_tokens - req.n_output - 1)
             have = len(req.cache.pages) * ps
             if k > 0 and start + 1 + k > have and not (
                     pages_for(start + 1 + k, ps) - len(req.cache.pages) <= self.pool.free_count

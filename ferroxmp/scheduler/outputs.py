@@ -36,7 +36,7 @@ class Outbox:
             # row's news every step, so no call per row, and only (rid, token): the
             # request's counts went with its first token and go again with its last.
             k = req.reported_tokens
-            if (len(req.output) == k + 1 and k > 0 and req.state is not finished
+            if (req.ids.n - len(req.prompt) == k + 1 and k > 0 and req.state is not finished
                     and not req.pending_logprobs and not req.pending_prompt_logprobs):
                 outs.append(RowOut(req.rid, req.report_one()))
                 continue
@@ -48,7 +48,7 @@ class Outbox:
 
 
 def _row_out(req: Request):
-    if len(req.output) == req.reported_tokens and req.state != State.FINISHED:
+    if req.n_output == req.reported_tokens and req.state != State.FINISHED:
         return None
     ids, lps, plps = req.take_report()
     # Positional (RowOut's field order): this runs once per row per step.

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ferroxmp.protocol import Logprobs, SamplingParams
-from ferroxmp.token_ids import TokenIds
+from ferroxmp.token_ids import PACK1, TokenIds
 
 
 class State(enum.Enum):
@@ -78,6 +78,11 @@ class Request:
         self.ids = TokenIds(self.prompt)
 
     @property
+    def n_output(self) -> int:
+        """Tokens sampled (an int: the per-row, per-step checks read it, not a view)."""
+        return self.ids.n - len(self.prompt)
+
+    @property
     def tokens(self) -> np.ndarray:
         """Every token whose id is known, int32: the prompt, then what was sampled (a view)."""
         return self.ids.array
@@ -103,7 +108,7 @@ class Request:
         self.cache = handle
         self.scheduled = self.computed = adopted
         self.prefill_target = self.known_len
-        self.sampled_before = len(self.output)
+        self.sampled_before = self.n_output
         self.sampled_scheduled = 0
         if self.admitted_at is None:
             self.admitted_at = now
@@ -152,15 +157,36 @@ class Request:
         if end is not None and end > self.computed and self.finish_reason != "error":
             self.computed = end
 
+    def decoded(self, start: int, token: int, logprobs: Optional[Logprobs]) -> bool:
+        """A decode step at `start` reported back with its token: `reported(start + 1)`, then
+        `add_token` unless the request ended meanwhile (the token is dropped: False). Both
+        written out in one body: this runs for every decoding row every step, and a call
+        costs as much as the work (tools/bench_scheduler.py)."""
+        self.inflight -= 1  # InFlight named it (core.check_integrity recounts inflight)
+        if start >= self.computed and self.finish_reason != "error":
+            self.computed = start + 1
+        if self.state is State.FINISHED:
+            return False
+        ids = self.ids
+        ids.append(token)
+        if logprobs is not None:
+            self.pending_logprobs.append(logprobs)
+        if token in self.stops:
+            self.finish("stop")
+        elif ids.n - len(self.prompt) >= self.params.max_tokens:
+            self.finish("length")
+        return True
+
     def add_token(self, token: int, logprobs: Optional[Logprobs] = None) -> None:
         """A sampled token (its logprobs, if asked): it may end the request."""
         assert self.state is not State.FINISHED, self.rid  # a finished row's late token is dropped
-        self.ids.append(token)
+        ids = self.ids
+        ids.append(token)
         if logprobs is not None:
             self.pending_logprobs.append(logprobs)
         if int(token) in self.stops:
             self.finish("stop")
-        elif len(self.ids) - len(self.prompt) >= self.params.max_tokens:
+        elif ids.n - len(self.prompt) >= self.params.max_tokens:
             self.finish("length")
 
     def accept_drafts(self, start: int, extra: np.ndarray) -> int:
@@ -191,10 +217,10 @@ class Request:
         self.embedding = vec
 
     def report_one(self) -> bytes:
-        """The one token sampled since the last report, as wire bytes (the common case)."""
-        k = self.reported_tokens
-        self.reported_tokens = k + 1
-        return self.ids.packed(len(self.prompt) + k)
+        """The one token sampled since the last report (the newest), as wire bytes: the
+        common case, once per decoding row per step."""
+        self.reported_tokens += 1  # the caller checked: exactly one new token
+        return PACK1(self.ids.last)
 
     def take_report(self) -> tuple[bytes, Optional[list], list]:
         """Everything not reported yet: (token ids as wire bytes, their logprobs or None,
@@ -202,7 +228,7 @@ class Request:
         new = self.ids.packed(len(self.prompt) + self.reported_tokens)
         lps = self.pending_logprobs or None
         plps = self.pending_prompt_logprobs
-        self.reported_tokens = len(self.ids) - len(self.prompt)
+        self.reported_tokens = self.n_output
         self.pending_logprobs, self.pending_prompt_logprobs = [], []
         return new, lps, plps
 

@@ -30,17 +30,20 @@ def apply_decode(batch: InFlight, tokens: list[int], logprobs: dict,
     finished = State.FINISHED
     ended = []
     n = 0
+    if not logprobs and not spec:  # the common step, without a lookup per row
+        for req, start, token in zip(batch.decode, batch.starts, tokens):
+            if req.decoded(start, token, None):
+                n += 1
+                news[req.rid] = req
+            if req.inflight == 0 and (req.state is finished or req.retracting):
+                ended.append(req)  # ended now, or earlier with this token dropped
+        return n, ended
     for req, row, start, token in zip(batch.decode, batch.rows, batch.starts, tokens):
-        req.reported(start + 1)
-        if req.state is finished:  # ended while this batch was in flight: token dropped
-            if req.inflight == 0:
-                ended.append(req)
-            continue
-        req.add_token(token, logprobs.get(row) if logprobs else None)
-        n += 1
-        if spec and row in spec:
-            n += req.accept_drafts(start, unpack_ids(spec[row]))
-        news[req.rid] = req
+        if req.decoded(start, token, logprobs.get(row) if logprobs else None):
+            n += 1
+            if spec and row in spec:
+                n += req.accept_drafts(start, unpack_ids(spec[row]))
+            news[req.rid] = req
         if req.inflight == 0 and (req.state is finished or req.retracting):
             ended.append(req)
     return n, ended
