@@ -1,7 +1,7 @@
 """Micro-benchmark: the weight-only quantized matmul kernels ferroxmp can call on CPU,
 against float32 F.linear, on SmolLM2-135M's matrix shapes at M = 1, 16 and 512 rows.
 
-    .venv/bin/python tools/bench_quant.py [--threads 2] [--repeats 7]
+    .venv/bin/python tools/bench_quant.py [--threads 2] [--repeats 7] [--llama-ops BIN]
 
 Kernels: torch's `_weight_int4pack_mm_for_cpu` (int4, groups of 32, scale + zero per
 group: GGUF Q4_0/Q4_1 map onto it exactly: scale = d, zero = m + 8d for q - 8, checked
@@ -13,11 +13,22 @@ float32 activations: `grp-int4` = GGUF Q4_1's layout, `grp-int8` = Q8_0's). Each
 inside a round so that load from other processes hits them alike. Prints one table
 (ms per call and the speed-up over float32). On a shared box, label the figures
 contaminated.
+
+--llama-ops BIN: llama.cpp's own kernels on the same matrices, through its
+`test-backend-ops perf` (built from the same tree as llama-server, with
+-DLLAMA_BUILD_TESTS=ON): the shapes are written as a --test-file of MUL_MAT ops with
+Q4_1 (`ll-q4_1`) and Q8_0 (`ll-q8_0`) weights and float32 activations, the formats of
+grp-int4 and grp-int8. test-backend-ops runs the CPU backend on hardware threads / 2
+threads: compare with --threads set to the same number.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import statistics
+import subprocess
+import tempfile
 import time
 import warnings
 
@@ -50,6 +61,37 @@ def kernels(n: int, k: int, group: int = 32):
             "grp-int4": g4, "grp-int8": g8}
 
 
+GGML_OP_MUL_MAT, GGML_F32 = 29, 0  # enum values in ggml.h of llama-cpp-python 0.3.36's tree
+GGML_TYPES = {"q4_1": (3, 20), "q8_0": (8, 34)}  # type id, bytes per block of 32
+
+
+def llama_ops(binary: str, shapes: list[tuple[int, int]], rows: list[int]) -> dict:
+    """ms per call of llama.cpp's MUL_MAT for each (type, n, k, m), from test-backend-ops perf."""
+    lines = []
+    for n, k in shapes:
+        for name, (tid, block) in GGML_TYPES.items():
+            row = k // 32 * block
+            for m in rows:  # op type ne[4] n_params n_src, then per source: type ne[4] nb[4]
+                lines.append(f"{GGML_OP_MUL_MAT} {GGML_F32} {n} {m} 1 1 0 2 "
+                             f"{tid} {k} {n} 1 1 {block} {row} {row * n} {row * n} "
+                             f"{GGML_F32} {k} {m} 1 1 4 {4 * k} {4 * k * m} {4 * k * m} -")
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        r = subprocess.run([binary, "perf", "-b", "CPU", "--test-file", f.name], capture_output=True,
+                           text=True, timeout=3600)
+    finally:
+        os.unlink(f.name)
+    got = {}
+    pat = r"MUL_MAT\(type=f32,ne=\[(\d+),(\d+),1,1\].*?sources=(\w+)\[(\d+),.*?([\d.]+) us/run"
+    for n, m, t, k, us in re.findall(pat, r.stdout):
+        got[(t, int(n), int(k), int(m))] = float(us) / 1e3
+    if not got:  # another tree's enum values, or an output format this does not read
+        raise SystemExit(f"no MUL_MAT timings from {binary} (rc {r.returncode}):\n"
+                         f"{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    return got
+
+
 def timed(fn, x, calls: int) -> float:
     t = time.perf_counter()
     for _ in range(calls):
@@ -62,16 +104,22 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--rows", default="1,16,512")
+    p.add_argument("--llama-ops", default=None, help="llama.cpp's test-backend-ops binary: time its "
+                   "Q4_1/Q8_0 MUL_MAT on the same shapes")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     print(f"threads={a.threads} repeats={a.repeats} (median ms per call; x = speed-up over f32)")
     names = ["f32", "int8", "int4", "fb-fp16", "fb-w8a8", "grp-int4", "grp-int8"]
+    rows = [int(r) for r in a.rows.split(",")]
+    ll = llama_ops(a.llama_ops, list(SHAPES.values()), rows) if a.llama_ops else None
+    if ll is not None:
+        names += ["ll-q4_1", "ll-q8_0"]
     print(f"{'shape':<18} {'M':>4} " + " ".join(f"{n:>8}" for n in names) + " " +
           " ".join(f"{n + ' x':>9}" for n in names[1:]))
     with torch.inference_mode():
         for label, (n, k) in SHAPES.items():
             ks = kernels(n, k)
-            for m in (int(r) for r in a.rows.split(",")):
+            for m in rows:
                 x = torch.randn(m, k)
                 calls = max(1, int(2e7 / (n * k * max(m, 4))))
                 samples = {name: [] for name in ks}
@@ -81,6 +129,9 @@ def main() -> None:
                     for name, fn in ks.items():
                         samples[name].append(timed(fn, x, calls))
                 med = {name: statistics.median(v) for name, v in samples.items()}
+                if ll is not None:
+                    for t in GGML_TYPES:
+                        med[f"ll-{t}"] = ll.get((t, n, k, m), float("nan"))
                 print(f"{label:<18} {m:>4} " + " ".join(f"{med[n]:>8.3f}" for n in names) + " " +
                       " ".join(f"{med['f32'] / med[n]:>9.2f}" for n in names[1:]))
 

@@ -40,7 +40,8 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 class MinimalForward:
-    """The floor: the runner's DecoderLM weights, contiguous K/V, SDPA, argmax."""
+    """The floor: the runner's DecoderLM weights (and its matmul dispatch, so quantized
+    weights multiply through their kernels), contiguous K/V, SDPA, argmax."""
 
     def __init__(self, model, batch: int, max_len: int):
         cfg = model.cfg
@@ -61,11 +62,11 @@ class MinimalForward:
         def rope(x):
             return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
-        h = F.embedding(ids, m.embed)
+        h = m.embed_ids(ids.reshape(-1)).view(B, n, -1)
         end = pos0 + n
         for li, L in enumerate(m.layers):
             x = m._rms(h, L.in_norm)
-            qkv = F.linear(x, L.w_qkv, L.b_qkv)
+            qkv = m.linear(x, L.w_qkv, L.b_qkv)
             q = qkv[..., :q_w].view(B, n, nh, hd)
             k = qkv[..., q_w:q_w + kv_w].view(B, n, nkv, hd)
             v = qkv[..., q_w + kv_w:].view(B, n, nkv, hd)
@@ -80,10 +81,10 @@ class MinimalForward:
             else:
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), K, V, is_causal=pos0 == 0,
                                                    enable_gqa=nh != nkv).transpose(1, 2)
-            h = h + F.linear(o.reshape(B, n, q_w), L.w_o, L.b_o)
+            h = h + m.linear(o.reshape(B, n, q_w), L.w_o, L.b_o)
             x = m._rms(h, L.post_norm)
-            gu = F.linear(x, L.w_gate_up)
-            h = h + F.linear(F.silu(gu[..., :cfg.intermediate_size]) * gu[..., cfg.intermediate_size:], L.w_down)
+            gu = m.linear(x, L.w_gate_up)
+            h = h + m.linear(F.silu(gu[..., :cfg.intermediate_size]) * gu[..., cfg.intermediate_size:], L.w_down)
         return m.logits(h[:, -1]).argmax(-1)
 
 
