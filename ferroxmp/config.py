@@ -64,7 +64,17 @@ class ServerArgs:
                                  "tokens (prompt or output) and verified in one step by its own sampler; the "
                                  "output is the same as without it (greedy or seeded sampling). Pays off when outputs copy their input (rewrites, code edits, "
                                  "RAG). One batch in flight (as --disable-overlap).")
-    num_speculative_tokens: int = _f(4, "Most tokens drafted per row and step with --speculative-ngram.")
+    draft_model: Optional[str] = _f(None, "Speculative decoding by a draft model: a small model of the same "
+                                    "tokenizer (Hugging Face folder or .gguf, loaded as --model is) drafts each "
+                                    "request's next tokens, greedily, and the target verifies them in one step by "
+                                    "the request's own sampler; the output is the same as without it (greedy or "
+                                    "seeded sampling). The draft's KV takes pages beside the target's. The target's "
+                                    "own checkpoint with --draft-quantization int4 is self-speculation. One batch in "
+                                    "flight (as --disable-overlap).")
+    draft_quantization: str = _f("auto", "--quantization for the --draft-model's weights (the same modes, the "
+                                 "same auto rule).", ["auto", "none", "fp16", "int8", "int4"])
+    num_speculative_tokens: int = _f(4, "Most tokens drafted per row and step with --speculative-ngram or "
+                                     "--draft-model.")
     disable_cuda_graph: bool = _f(False, "On CUDA, run decode steps eagerly instead of replaying CUDA graphs "
                                   "captured per padded batch size (CPU never uses graphs).")
     swa_release_interval: int = _f(32, "Steps between releases of pages outside every sliding window.")
@@ -167,7 +177,9 @@ class ServerArgs:
             bad("kv_cache_dir" if self.kv_cache_dir else "kv_host_gb", "KV tiers are not implemented with --tp > 1 yet")
         if (self.kv_host_gb > 0 or self.kv_cache_dir) and self.disable_radix_cache:
             bad("kv_cache_dir" if self.kv_cache_dir else "kv_host_gb", "KV tiers need the radix cache")
-        if self.speculative_ngram and not 1 <= self.num_speculative_tokens <= 16:
+        if self.draft_model is not None:
+            self._validate_draft(bad)
+        if (self.speculative_ngram or self.draft_model) and not 1 <= self.num_speculative_tokens <= 16:
             bad("num_speculative_tokens", "must be between 1 and 16")
         if self.speculative_ngram and self.tp > 1:
             bad("speculative_ngram", "is not implemented with --tp > 1 yet")
@@ -175,6 +187,27 @@ class ServerArgs:
             bad("deterministic", "is not implemented with --tp > 1 yet; use --tp 1")
         if self.nnodes == 1 and self.dist_init_addr is not None:
             bad("dist_init_addr", "is only used with --nnodes > 1 (one node rendezvouses in its run directory)")
+
+    def _validate_draft(self, bad) -> None:
+        """--draft-model's refusals: where it is, and the flags it does not work with yet."""
+        if not (os.path.isdir(self.draft_model) or (
+                os.path.isfile(self.draft_model) and self.draft_model.lower().endswith(".gguf"))):
+            bad("draft_model", f"{self.draft_model!r} is neither a Hugging Face checkpoint folder nor a .gguf file")
+        if self.speculative_ngram:
+            bad("draft_model", "give --draft-model or --speculative-ngram, not both (one drafter per server)")
+        if self.tp > 1:
+            bad("draft_model", "is not implemented with --tp > 1 yet")
+        if self.kv_host_gb > 0 or self.kv_cache_dir:  # a page loaded back would lack the draft's KV
+            bad("draft_model", "does not work with --kv-host-gb / --kv-cache-dir yet: their pages hold only "
+                "the target model's KV")
+        if self.device == "cuda" and self.draft_quantization in ("fp16", "int8", "int4"):
+            bad("draft_quantization", f"{self.draft_quantization} runs through CPU kernels only; use "
+                "--draft-quantization none on CUDA")
+
+    @property
+    def spec_tokens(self) -> int:
+        """Most draft tokens per row and step, whichever drafter is on; 0 = no speculation."""
+        return self.num_speculative_tokens if self.speculative_ngram or self.draft_model else 0
 
     @property
     def model_name(self) -> str:

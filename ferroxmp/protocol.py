@@ -79,7 +79,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
 
     @property
     def may_draft(self) -> bool:
-        """--speculative-ngram may verify drafts for this request: its draw depends on the
+        """Speculation (either drafter) may verify drafts for this request: its draw depends on the
         logits, seed and position alone (scheduler and worker both ask this)."""
         return not (self.constrained or self.has_penalties or self.logprobs is not None
                     or self.prompt_logprobs is not None or self.pooling)
@@ -160,7 +160,7 @@ class Stats(msgspec.Struct, omit_defaults=True):
     kv_hit_tokens_host: int = 0
     kv_hit_tokens_disk: int = 0
     kv_tiers: Optional[KVTierStats] = None
-    spec_draft_tokens: int = 0  # --speculative-ngram: tokens drafted and verified
+    spec_draft_tokens: int = 0  # --speculative-ngram or --draft-model: tokens drafted and verified
     spec_accepted_tokens: int = 0  # ...and accepted (emitted without a step of their own)
 
 
@@ -198,7 +198,7 @@ class ForwardBatch(msgspec.Struct, tag=True):
     batch_id: int
     new_rows: list[NewRow]
     steps: list[RowStep]
-    # --speculative-ngram: row -> most draft tokens its decode step may verify (the
+    # --speculative-ngram / --draft-model: row -> most draft tokens its decode step may verify (the
     # scheduler holds pages for that many positions past the step).
     spec: dict[int, int] = {}
 
@@ -219,7 +219,7 @@ class BatchResult(msgspec.Struct, tag=True):
     # row -> pooled final-norm hidden state (float32 little-endian bytes), for embedding
     # rows (params.pooling) that sampled in this batch, i.e. finished their prompt.
     embeddings: dict[int, bytes] = {}
-    # --speculative-ngram: row -> the accepted draft tokens (int32), which follow the
+    # --speculative-ngram / --draft-model: row -> the accepted draft tokens (int32), which follow the
     # row's sampled token in `tokens`; and how many tokens were drafted and accepted.
     spec_tokens: dict[int, bytes] = {}
     spec_drafted: int = 0

@@ -25,9 +25,12 @@ class LocalEngine:
     def __init__(self, model: str, num_pages: int = 64, page_size: int = 4, max_batch_tokens: int = 64,
                  max_rows: int = 8, overlap: bool = False, radix: bool = True, max_model_len: int = 1024,
                  swa_release_interval: int = 32, kv_host_bytes: int = 0, kv_dir: Optional[str] = None,
-                 deterministic: bool = False, spec_tokens: int = 0):
+                 deterministic: bool = False, spec_tokens: int = 0, draft_model: Optional[str] = None,
+                 draft_quantization: str = "auto"):
         self.pool = PagePool.create(num_pages, max_rows, -(-max_model_len // page_size))
-        self.runner = ModelRunner(model, self.pool, page_size, keep_logits=True, deterministic=deterministic)
+        # draft_model (--draft-model) drafts instead of prompt lookup when spec_tokens > 0
+        self.runner = ModelRunner(model, self.pool, page_size, keep_logits=True, deterministic=deterministic,
+                                  draft_model=draft_model, draft_quantization=draft_quantization)
         cfg = self.runner.config
         self.core = SchedulerCore(self.pool, SchedulerConfig(
             page_size=page_size, max_batch_tokens=max_batch_tokens, max_model_len=max_model_len,

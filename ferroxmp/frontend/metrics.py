@@ -38,8 +38,8 @@ _COUNTERS = (
     ("worker_busy_seconds", "worker_busy_seconds", "Seconds the worker spent computing batches."),
     ("grammar_cache_hits", "grammar_cache_hits", "Constrained requests whose grammar was compiled already."),
     ("grammar_cache_misses", "grammar_cache_misses", "Constrained requests whose grammar was compiled for them."),
-    ("spec_draft_tokens", "spec_draft_tokens", "Draft tokens verified (--speculative-ngram)."),
-    ("spec_accepted_tokens", "spec_accepted_tokens", "Draft tokens accepted (--speculative-ngram): tokens "
+    ("spec_draft_tokens", "spec_draft_tokens", "Draft tokens verified (--speculative-ngram, --draft-model)."),
+    ("spec_accepted_tokens", "spec_accepted_tokens", "Draft tokens accepted (--speculative-ngram, --draft-model): tokens "
      "emitted without a step of their own."),
 )
 

@@ -99,5 +99,5 @@ def measure(runner, lengths: list[int], free_at_start: int, mem_fraction: float)
     runner.profile_step(lengths)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - held
-    bytes_per_page = runner.kv.nbytes // runner.kv.num_pages
-    return KVBudget(free_at_start, mem_fraction, held - runner.kv.nbytes, peak, bytes_per_page, measured=True)
+    bytes_per_page = runner.kv_bytes // runner.kv.num_pages  # a --draft-model's KV included
+    return KVBudget(free_at_start, mem_fraction, held - runner.kv_bytes, peak, bytes_per_page, measured=True)

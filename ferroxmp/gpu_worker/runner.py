@@ -30,6 +30,7 @@ from ferroxmp.protocol import (BatchResult, ForwardBatch, NewRow, ProtocolError,
 from ferroxmp.radix.pages import PagePool
 from ferroxmp.token_ids import TokenIds
 from ferroxmp.gpu_worker.attention import PlanError, backend_layout, make_backend
+from ferroxmp.gpu_worker.sampling.draft_model import DraftModel
 from ferroxmp.gpu_worker.sampling.ngram import Backoff, propose
 from ferroxmp.gpu_worker.isolation import fail_batch, skip_failed
 from ferroxmp.gpu_worker.kv.pool import KVPool
@@ -57,7 +58,7 @@ class RowState:
     grammar: Optional["RowGrammar"] = None  # its matcher, when the request asked for structured output
     pooled: Optional[Pooled] = None  # an embedding row's pooling so far (pooling.py)
     grammar_on: bool = True  # false while a reasoning row thinks (params.grammar_after not yet generated)
-    backoff: Backoff = field(default_factory=Backoff)  # --speculative-ngram: when to stop drafting (ngram.py)
+    backoff: Backoff = field(default_factory=Backoff)  # speculation: when to stop drafting (ngram.py)
 
 
 def _end_of(generated: list[int], mark: list[int]) -> "Optional[int]":
@@ -72,7 +73,8 @@ def _end_of(generated: list[int], mark: list[int]) -> "Optional[int]":
 class ModelRunner:
     def __init__(self, model_path: str, pool: PagePool, page_size: int, device: str = "auto",
                  dtype: str = "auto", attention: str = "auto", tp=None, deterministic: bool = False,
-                 cuda_graph: bool = True, keep_logits: bool = False, quantization: str = "auto"):
+                 cuda_graph: bool = True, keep_logits: bool = False, quantization: str = "auto",
+                 draft_model: Optional[str] = None, draft_quantization: str = "auto"):
         self.device = resolve_device(device)
         self.config: ModelConfig = load_config(model_path, dtype)
         # --quantization: 'none', 'fp16', 'int8' or 'int4' for this checkpoint and device (quant/policy.py)
@@ -93,6 +95,9 @@ class ModelRunner:
             attention = "det"
         self.page_size = page_size
         self._shape, self._attention = shape, attention
+        # --draft-model: its own weights, KV (in this pool's pages) and backend (draft_model.py)
+        self.drafter = None if draft_model is None else DraftModel(
+            draft_model, self.config, self.device, dtype, draft_quantization, attention)
         # CUDA graphs (decode steps replayed per padded batch size) need one page past the
         # scheduler's for padding rows; never on CPU, under --tp or --deterministic.
         self._graphs_allowed = self.device.type == "cuda" and tp is None and not deterministic
@@ -116,9 +121,11 @@ class ModelRunner:
         self.rows.clear()
         self.failed = {}
         graphs = cuda_graph and self._graphs_allowed
+        layout = backend_layout(self.device, self._attention)
+        if self.drafter is not None:
+            self.drafter.attach(pool.num_pages, self.page_size, layout)
         self.kv = KVPool.for_model(self._shape, pool.num_pages + graphs, self.page_size,
-                                   self.config.dtype, self.device,
-                                   layout=backend_layout(self.device, self._attention))
+                                   self.config.dtype, self.device, layout=layout)
         self.attn = make_backend(self.kv, self.config.sliding_window, self.device, self._attention,
                                  num_heads=self._shape.num_heads)
         self.graphs = self._decode_graphs(pool) if graphs else None
@@ -128,8 +135,22 @@ class ModelRunner:
     def memory_info(self) -> dict:
         """Resident weight bytes by format and the KV pool's bytes (this rank's), for /server_info."""
         weights = self.model.weight_bytes()
-        return {"quantization": self.quantization, "weight_bytes": sum(weights.values()),
+        info = {"quantization": self.quantization, "weight_bytes": sum(weights.values()),
                 "weight_bytes_by_format": weights, "kv_bytes": self.kv.nbytes}
+        if self.drafter is not None:
+            info["draft"] = self.drafter.memory_info()
+        return info
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV bytes this runner holds: the target's pool, and the draft model's beside it."""
+        return self.kv.nbytes + (self.drafter.kv.nbytes if self.drafter is not None else 0)
+
+    def _forget(self, row: int) -> None:
+        """The row slot holds a new request: the backends drop what they kept for it."""
+        self.attn.forget(row)
+        if self.drafter is not None:
+            self.drafter.forget(row)
 
     def profile_step(self, lengths: list[int]) -> None:
         """One prefill step of len(lengths) rows, each sampling (the largest step the
@@ -158,7 +179,7 @@ class ModelRunner:
         finally:
             for row in range(len(lengths)):
                 self.rows.pop(row, None)
-                self.attn.forget(row)
+                self._forget(row)
 
     @property
     def grammars(self) -> "GrammarCache":
@@ -253,19 +274,20 @@ class ModelRunner:
         try:
             staged = self._stage_rows(batch)
             for row in staged:  # a new request in the slot: nothing kept for the old one applies
-                self.attn.forget(row)
+                self._forget(row)
             self._check_steps(batch.steps, staged)
             if not batch.steps:
                 self.rows.update(staged)
                 return BatchResult(batch_id=batch.batch_id, compute_s=time.perf_counter() - t0)
-            drafts = self._drafts(batch, staged) if batch.spec else {}
-            triples = [(s.row, s.start, s.length + len(drafts.get(s.row, ()))) for s in batch.steps]
             # Copy only the stepped rows' entries (a snapshot: the scheduler may write other
             # rows meanwhile); the rest is never read (np.zeros: calloc'd, not copied).
             if table is None:
                 stepped = sorted({s.row for s in batch.steps})
                 table = np.zeros(self.pool.page_table.shape, np.int32)
                 table[stepped] = self.pool.page_table[stepped]
+            # The draft model runs on every step (its KV keeps up with the target's).
+            drafts = self._drafts(batch, staged, table) if batch.spec or self.drafter else {}
+            triples = [(s.row, s.start, s.length + len(drafts.get(s.row, ()))) for s in batch.steps]
             plan = self.attn.plan(triples, table)
         except (BatchError, PlanError, ProtocolError) as e:
             log.warning("batch %d refused: %s", batch.batch_id, e)
@@ -277,15 +299,19 @@ class ModelRunner:
                 raise  # ...unless other ranks may be inside a collective this one left: fatal
             log.exception("batch %d failed", batch.batch_id)
             self.attn.reset()  # the backend may hold K/V of a step that stopped part-way
+            if self.drafter is not None:
+                self.drafter.reset()
             result = fail_batch(self.failed, self.rows, staged, batch,
                                 f"worker failed: {type(e).__name__}: {e}", t0)
         result.row_errors.update(skipped)
         return result
 
-    def _drafts(self, batch: ForwardBatch, staged: dict[int, RowState]) -> dict[int, list[int]]:
-        """--speculative-ngram: row -> the tokens to verify after its sampled one, for the
-        unconstrained sampling rows the scheduler gave a draft budget (pages)."""
-        out = {}
+    def _drafts(self, batch: ForwardBatch, staged: dict[int, RowState], table: np.ndarray) -> dict[int, list[int]]:
+        """row -> the tokens to verify after its sampled one, for the unconstrained sampling
+        rows the scheduler gave a draft budget (pages), not backing off: from the draft
+        model (--draft-model, which also keeps its KV up with this step) or by prompt
+        lookup (--speculative-ngram)."""
+        budget = {}
         limit = self.config.max_position_embeddings
         for s in batch.steps:
             k = batch.spec.get(s.row, 0)
@@ -294,10 +320,12 @@ class ModelRunner:
                 continue
             k = min(k, limit - (s.start + s.length))
             if k > 0 and st.backoff.wants_draft():
-                draft = propose(st.tokens.array, k)
-                if draft:
-                    out[s.row] = draft
-        return out
+                budget[s.row] = k
+        if self.drafter is not None:
+            tokens = {s.row: (staged.get(s.row) or self.rows[s.row]).tokens for s in batch.steps}
+            return self.drafter.propose(batch.steps, tokens, budget, table)
+        drafts = {r: propose((staged.get(r) or self.rows[r]).tokens.array, k) for r, k in budget.items()}
+        return {r: d for r, d in drafts.items() if d}
 
     def _run(self, batch: ForwardBatch, staged: dict[int, RowState], plan, t0: float,
              drafts: dict[int, list[int]]) -> BatchResult:

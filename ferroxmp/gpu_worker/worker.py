@@ -156,7 +156,8 @@ def _pool_and_runner(sa: ServerArgs, cfg, shape, model_path: str, pool_name: str
     small private pool, profiles the largest step and sizes the real pool from what is
     left (gpu_memory.measure); --tp ranks agree on a size before loading, estimated."""
     runner_args = dict(device=sa.device, dtype=sa.dtype, tp=leader, deterministic=sa.deterministic,
-                       cuda_graph=not sa.disable_cuda_graph, quantization=sa.quantization)
+                       cuda_graph=not sa.disable_cuda_graph, quantization=sa.quantization,
+                       draft_model=sa.draft_model, draft_quantization=sa.draft_quantization)
     table = dict(max_rows=sa.max_running_requests, max_pages_per_row=max_pages_per_row)
     by_memory = device.type == "cuda" and sa.kv_pages is None  # else the size is given (pages or GiB)
     if by_memory and leader is None:
@@ -180,8 +181,10 @@ def _pool_and_runner(sa: ServerArgs, cfg, shape, model_path: str, pool_name: str
         log.info("%s", kvb.describe())
         num_pages = kvb.pages
     else:
+        # --draft-model: its KV takes each page too (same pages, its own tensors)
+        draft = load_config(sa.draft_model, sa.dtype).kv_bytes_per_token() if sa.draft_model else 0
         num_pages = pages_for_budget(shape, sa.page_size, cfg.dtype, sa.kv_pages, sa.kv_cache_gb,
-                                     sa.mem_fraction, device)
+                                     sa.mem_fraction, device, draft_bytes_per_token=draft)
     if leader is not None:
         from ferroxmp.gpu_worker.parallel import step as tp_step
         num_pages = tp_step.agree_pages(leader.tp, num_pages, sa, cfg, max_pages_per_row)

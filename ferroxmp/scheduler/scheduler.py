@@ -36,7 +36,7 @@ def run_scheduler(args: dict, run_dir: str, pool_name: str, worker_info: dict) -
     core = SchedulerCore(pool, SchedulerConfig.from_launch(args, worker_info))
     # A speculative step's row advances by as many tokens as were accepted, known only
     # from its result: the next step cannot be planned before it (no overlap).
-    max_inflight = 1 if args["disable_overlap"] or args.get("speculative_ngram") else 2
+    max_inflight = 1 if args["disable_overlap"] or core.cfg.spec_tokens else 2
     ctx = zmq.Context()
     ep = endpoints(run_dir)
     from_frontend, from_worker = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)

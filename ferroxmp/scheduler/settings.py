@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ferroxmp.config import ServerArgs
 from ferroxmp.fits import context_refusal
 from ferroxmp.protocol import SamplingParams
 from ferroxmp.scheduler.cache import pages_for
@@ -27,7 +28,7 @@ class SchedulerConfig:
     max_grammar_compile_seconds: float = 5.0  # a grammar still pending after this is a 400
     kv_host: bool = False  # a host-memory tier below the pool (--kv-host-gb)
     kv_disk: bool = False  # a disk tier (--kv-cache-dir)
-    spec_tokens: int = 0  # --speculative-ngram: most draft tokens per row and step (0: off)
+    spec_tokens: int = 0  # --speculative-ngram or --draft-model: most draft tokens per row and step (0: off)
 
     @classmethod
     def from_launch(cls, args: dict, worker_info: dict) -> "SchedulerConfig":
@@ -40,7 +41,7 @@ class SchedulerConfig:
                    max_step_seconds=args.get("max_step_seconds", 0.0),
                    max_grammar_compile_seconds=args.get("max_grammar_compile_seconds", 5.0),
                    kv_host=bool(args.get("kv_host_gb")), kv_disk=bool(args.get("kv_cache_dir")),
-                   spec_tokens=args.get("num_speculative_tokens", 4) if args.get("speculative_ngram") else 0)
+                   spec_tokens=ServerArgs.from_dict(args).spec_tokens)
 
     def refusal(self, p: SamplingParams, n: int, num_pages: int) -> Optional[str]:
         """Why a request of n prompt tokens can never run here (400), or None."""

@@ -105,15 +105,17 @@ class KVPool:
 
 def pages_for_budget(cfg: ModelConfig, page_size: int, dtype: torch.dtype, kv_pages: Optional[int],
                      kv_cache_gb: float, mem_fraction: float, device: torch.device,
-                     reserved_bytes: int = 0, context: Optional[int] = None) -> int:
+                     reserved_bytes: int = 0, context: Optional[int] = None, draft_bytes_per_token: int = 0) -> int:
     """Pages that fit: an explicit --kv-pages wins; on CPU --kv-cache-gb; on CUDA
     mem_fraction of the free device memory, less `reserved_bytes` (weights not loaded yet).
+    A page costs the model's KV of page_size tokens plus a --draft-model's
+    (`draft_bytes_per_token`: the draft keeps its KV in the same pages).
     A budget under two pages is an error, one under `context` tokens (default: the
     model's) a warning; both name the sizing of one page and of one context."""
     if kv_pages is not None:
         return int(kv_pages)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    per_page = cfg.kv_bytes_per_token(dtype) * page_size
+    per_page = (cfg.kv_bytes_per_token(dtype) + draft_bytes_per_token) * page_size
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = mem_fraction * free - reserved_bytes

@@ -1,2 +1,3 @@
 """Choosing tokens from logits: the sampler (`sampler`), grammar masks (`grammar`, compiled
-off the step loop by `grammar_prep`) and prompt-lookup drafts for speculation (`ngram`)."""
+off the step loop by `grammar_prep`) and the drafters of speculation: prompt lookup
+(`ngram`) and a draft model (`draft_model`)."""
