@@ -7,7 +7,7 @@ who owns it: `fxmp_<pid>_<start>_<random>`, the supervisor's pid and its start t
 (field 22 of /proc/PID/stat, clock ticks since boot). A pid can be reused by an
 unrelated process; pid + start time cannot. `ferroxmp serve` removes, before it
 creates its own, every such segment of this user whose owner is gone, one log line
-each (removed through radix/pages.py, the one module that creates and removes segments).
+each (removed through page_pool.py, the one module that creates and removes segments).
 
 Invariants: a segment whose owner lives (same pid AND same start time) is never
 touched; a name this module cannot parse is never touched; an older name without a
@@ -22,7 +22,7 @@ import os
 import secrets
 from typing import Optional
 
-from ferroxmp.radix.pages import remove_segment
+from ferroxmp.page_pool import remove_segment
 
 PREFIX = "fxmp_"
 SHM_DIR = "/dev/shm"

@@ -39,7 +39,7 @@ import zmq
 from ferroxmp.config import ServerArgs, setup_logging
 from ferroxmp.liveness import Monitor, process_state
 from ferroxmp.protocol import ProtocolError, Ready, Shutdown, decode, encode, endpoints
-from ferroxmp.radix.pages import remove_segment
+from ferroxmp.page_pool import remove_segment
 from ferroxmp.shm_names import remove_dead_segments, segment_name
 
 log = logging.getLogger("ferroxmp.supervisor")
@@ -283,7 +283,7 @@ class Supervisor:
                 proc.wait()
             if proc.returncode not in (0, -signal.SIGTERM):
                 log.info("%s (pid %d) ended with %s", name, proc.pid, proc.returncode)
-        remove_segment(self.pool_name)  # a worker killed with -9 could not (radix/pages.py)
+        remove_segment(self.pool_name)  # a worker killed with -9 could not (page_pool.py)
         self.monitor.close()
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -69,7 +69,7 @@ class RunnerHarness:
     def __init__(self, model_path: str, page_size: int = 16, max_rows: int = 8, pages_per_row: int = 40,
                  **runner_kw):
         from ferroxmp.gpu_worker.runner import ModelRunner
-        from ferroxmp.radix.pages import PagePool
+        from ferroxmp.page_pool import PagePool
         self.page_size = page_size
         self.pages_per_row = pages_per_row
         self.pool = PagePool.create(max_rows * pages_per_row, max_rows, pages_per_row)

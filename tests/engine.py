@@ -16,7 +16,7 @@ import torch
 
 from ferroxmp.gpu_worker.runner import ModelRunner
 from ferroxmp.protocol import ForwardBatch, GenerateReq, SamplingParams, pack_ids, unpack_ids
-from ferroxmp.radix.pages import PagePool
+from ferroxmp.page_pool import PagePool
 from ferroxmp.scheduler.core import SchedulerConfig, SchedulerCore
 from ferroxmp.scheduler.request import Request
 

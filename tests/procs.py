@@ -15,7 +15,7 @@ import zmq
 from ferroxmp.config import ServerArgs
 from ferroxmp.protocol import (AbortReq, GenerateReq, RowOut, SamplingParams, Stats, TokenOut, decode,
                                encode, pack_ids, unpack_ids)
-from ferroxmp.radix.pages import PagePool
+from ferroxmp.page_pool import PagePool
 from ferroxmp.supervisor import Supervisor
 
 

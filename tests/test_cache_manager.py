@@ -16,7 +16,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ferroxmp.protocol import SamplingParams
-from ferroxmp.radix.pages import PagePool
+from ferroxmp.page_pool import PagePool
 from ferroxmp.scheduler.cache import CacheManager
 from ferroxmp.scheduler.request import Request
 

@@ -69,7 +69,7 @@ def test_disable_cuda_graph_is_a_flag_and_off_by_default():
 def test_the_runner_keeps_no_logits_unless_built_to_and_builds_no_graphs_on_cpu(tiny_models):
     from ferroxmp.gpu_worker.runner import ModelRunner
     from ferroxmp.protocol import ForwardBatch, NewRow, RowStep, SamplingParams, pack_ids
-    from ferroxmp.radix.pages import PagePool
+    from ferroxmp.page_pool import PagePool
     pool = PagePool.create(num_pages=8, max_rows=2, max_pages_per_row=4)
     try:
         pool.set_row(0, [0, 1, 2, 3], 0)
@@ -140,7 +140,7 @@ def test_a_runner_profiled_over_a_small_pool_then_attached_to_the_real_one_decod
     pool, run the largest step, re-attach; the pages and rows the probe used are gone and
     the output equals a runner built on the real pool from the start."""
     from ferroxmp.gpu_worker.runner import ModelRunner
-    from ferroxmp.radix.pages import PagePool
+    from ferroxmp.page_pool import PagePool
     lengths = profile_lengths(96, 4, 4096)
     probe = PagePool.create(profile_pages(lengths, 16), max_rows=4, max_pages_per_row=8)
     real = PagePool.create(num_pages=8, max_rows=4, max_pages_per_row=8)

@@ -45,7 +45,7 @@ from ferroxmp.config import ServerArgs
 from ferroxmp.gpu_worker.kv.pool import pages_for_budget
 from ferroxmp.gpu_worker.loader import UnsupportedModel, load_config
 from ferroxmp.gpu_worker.runner import ModelRunner
-from ferroxmp.radix.pages import PagePool
+from ferroxmp.page_pool import PagePool
 from serverproc import serving
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from ferroxmp.protocol import GenerateReq, Grammar, GrammarReady, SamplingParams, pack_ids
-from ferroxmp.radix.pages import PagePool
+from ferroxmp.page_pool import PagePool
 from ferroxmp.scheduler.core import SchedulerConfig, SchedulerCore
 
 G = Grammar("regex", "[ab]+")

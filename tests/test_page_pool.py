@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from ferroxmp.radix.pages import PageError, PagePool
+from ferroxmp.page_pool import PageError, PagePool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -163,7 +163,7 @@ def test_a_writer_that_attaches_rebuilds_the_free_list_from_refcounts(make_pool)
 
 _READER = textwrap.dedent("""
     import json, sys
-    from ferroxmp.radix.pages import PagePool
+    from ferroxmp.page_pool import PagePool
     pool = PagePool.attach(sys.argv[1])
     print(json.dumps({"refs": pool.refs.tolist(), "row": pool.row_pages(2).tolist(),
                       "len": int(pool.row_lens[2]), "free": pool.free_count}))
@@ -222,12 +222,12 @@ def test_a_segment_is_removed_by_name_from_another_process_and_only_once():
     """Pins: the supervisor's teardown removal (a worker killed with -9 leaves its pool)
     was a silent no-op — it imported shm_unlink from the wrong module and swallowed the
     ImportError. The segment's existence in /dev/shm is the oracle."""
-    from ferroxmp.radix.pages import remove_segment
+    from ferroxmp.page_pool import remove_segment
     pool = PagePool.create(4, max_rows=2, max_pages_per_row=2)
     try:
         name = pool.name
         assert os.path.exists(f"/dev/shm/{name}")
-        code = f"from ferroxmp.radix.pages import remove_segment; print(remove_segment({name!r}))"
+        code = f"from ferroxmp.page_pool import remove_segment; print(remove_segment({name!r}))"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         assert out.stdout.strip() == "True", out.stderr
         assert not os.path.exists(f"/dev/shm/{name}")

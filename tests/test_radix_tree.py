@@ -16,7 +16,8 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ferroxmp.radix import PagePool, RadixCache, RadixError
+from ferroxmp.page_pool import PagePool
+from ferroxmp.radix import RadixCache, RadixError
 from ferroxmp.radix.tree import Node
 
 PS = 4

@@ -227,7 +227,7 @@ def _drive(reverse: bool, seed: int) -> dict:
     import numpy as np
 
     from ferroxmp.protocol import BatchResult, GenerateReq, SamplingParams, pack_ids
-    from ferroxmp.radix.pages import PagePool
+    from ferroxmp.page_pool import PagePool
     from ferroxmp.scheduler import core as core_module
     from ferroxmp.scheduler.core import SchedulerConfig, SchedulerCore
     from ferroxmp.scheduler.results import apply_decode

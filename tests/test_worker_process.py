@@ -25,7 +25,7 @@ import zmq
 from ferroxmp import protocol
 from ferroxmp.config import ServerArgs
 from ferroxmp.protocol import ForwardBatch, RowStep, SamplingParams, Shutdown, pack_ids, unpack_ids
-from ferroxmp.radix.pages import PagePool
+from ferroxmp.page_pool import PagePool
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

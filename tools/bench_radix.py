@@ -21,7 +21,8 @@ import tracemalloc
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ferroxmp.radix import PagePool, RadixCache  # noqa: E402
+from ferroxmp.page_pool import PagePool  # noqa: E402
+from ferroxmp.radix import RadixCache  # noqa: E402
 
 
 def make_sequences(args: argparse.Namespace) -> list[np.ndarray]:

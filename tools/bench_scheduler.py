@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ferroxmp.protocol import BatchResult, GenerateReq, SamplingParams, pack_ids  # noqa: E402
-from ferroxmp.radix.pages import PagePool  # noqa: E402
+from ferroxmp.page_pool import PagePool  # noqa: E402
 from ferroxmp.scheduler.core import SchedulerConfig, SchedulerCore  # noqa: E402
 
 VOCAB = 32_000

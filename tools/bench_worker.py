@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from ferroxmp.protocol import ForwardBatch, NewRow, RowStep, SamplingParams, pack_ids  # noqa: E402
-from ferroxmp.radix.pages import PagePool  # noqa: E402
+from ferroxmp.page_pool import PagePool  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -76,7 +76,7 @@ sys.path.insert(0, os.getcwd())
 from ferroxmp.gpu_worker.attention import make_backend, reference_attention  # noqa: E402
 from ferroxmp.gpu_worker.kv.pool import KVPool  # noqa: E402
 from ferroxmp.protocol import ForwardBatch, NewRow, RowStep, SamplingParams, pack_ids, unpack_ids  # noqa: E402
-from ferroxmp.radix.pages import PagePool  # noqa: E402
+from ferroxmp.page_pool import PagePool  # noqa: E402
 
 if not DRY and not torch.cuda.is_available():
     sys.exit("no CUDA device: run with --dry-run to check the script on a CPU")

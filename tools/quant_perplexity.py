@@ -27,7 +27,7 @@ def perplexity(model: str, ids: list[int], mode: str, first: int = 1, chunk: int
     each scored, the mean taken over every scored token."""
     from ferroxmp.gpu_worker.runner import ModelRunner
     from ferroxmp.protocol import ForwardBatch, NewRow, RowStep, SamplingParams, pack_ids
-    from ferroxmp.radix.pages import PagePool
+    from ferroxmp.page_pool import PagePool
     page = 16
     parts = [ids[i:i + chunk] for i in range(0, len(ids) - chunk + 1, chunk)] if chunk else [ids]
     pages = -(-max(map(len, parts)) // page) + 1
@@ -57,7 +57,7 @@ def greedy(model: str, prompts: list[list[int]], mode: str, n: int) -> list[list
     """n greedy tokens after each prompt (one row, prefill then n - 1 decode steps)."""
     from ferroxmp.gpu_worker.runner import ModelRunner
     from ferroxmp.protocol import ForwardBatch, NewRow, RowStep, SamplingParams, pack_ids, unpack_ids
-    from ferroxmp.radix.pages import PagePool
+    from ferroxmp.page_pool import PagePool
     page = 16
     pages = -(-(max(map(len, prompts)) + n) // page) + 1
     pool = PagePool.create(pages, 1, pages)

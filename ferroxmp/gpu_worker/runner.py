@@ -27,7 +27,7 @@ import torch
 
 from ferroxmp.protocol import (BatchResult, ForwardBatch, NewRow, ProtocolError, RowStep, SamplingParams, pack_ids,
                         unpack_ids)
-from ferroxmp.radix.pages import PagePool
+from ferroxmp.page_pool import PagePool
 from ferroxmp.token_ids import TokenIds
 from ferroxmp.gpu_worker.attention import PlanError, backend_layout, make_backend
 from ferroxmp.gpu_worker.sampling.draft_model import DraftModel

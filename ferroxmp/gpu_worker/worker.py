@@ -47,7 +47,7 @@ from ferroxmp import protocol
 from ferroxmp.config import ServerArgs, setup_logging, watch_parent
 from ferroxmp.liveness import Heartbeat, remove_if_orphaned
 from ferroxmp.gpu_worker import faults
-from ferroxmp.radix.pages import PagePool
+from ferroxmp.page_pool import PagePool
 from ferroxmp.gpu_worker import cpu_dtype
 from ferroxmp.gpu_worker.sampling.grammar_prep import GrammarPrep
 from ferroxmp.gpu_worker.gpu_memory import after_load, cuda_kv_budget, measure, profile_lengths, profile_pages

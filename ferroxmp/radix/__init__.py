@@ -1,7 +1,6 @@
-"""Prefix sharing: the RadixCache (tree of token pages) and the PagePool (refcounts
-and the page table in shared memory). Imports nothing else of ferroxmp; the worker
-imports only `ferroxmp.radix.pages`."""
-from ferroxmp.radix.pages import PageError, PagePool
+"""Prefix sharing: the RadixCache, a tree of token pages over the page pool. Imports
+nothing of ferroxmp but the pool (`ferroxmp/page_pool.py`, below it, which the worker
+reads too); only the scheduler's cache manager uses the tree."""
 from ferroxmp.radix.tree import MatchResult, RadixCache, RadixError
 
-__all__ = ["MatchResult", "PageError", "PagePool", "RadixCache", "RadixError"]
+__all__ = ["MatchResult", "RadixCache", "RadixError"]

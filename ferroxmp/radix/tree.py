@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from ferroxmp.radix.pages import PagePool
+from ferroxmp.page_pool import PagePool
 
 TokenIds = Union[Sequence[int], np.ndarray]
 _BYTES_PER_TOKEN = 4

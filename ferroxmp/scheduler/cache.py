@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ferroxmp.radix.pages import PagePool
+from ferroxmp.page_pool import PagePool
 from ferroxmp.radix.tree import RadixCache
 from ferroxmp.scheduler.rowrefs import RowRefs
 from ferroxmp.scheduler.tier_index import TierIndex

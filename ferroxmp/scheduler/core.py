@@ -24,7 +24,7 @@ import numpy as np
 
 from ferroxmp.protocol import (BatchResult, ForwardBatch, GenerateReq, GrammarReady, KVLoaded, KVTierReport, NewRow,
                                RowOut, RowStep, Stats, unpack_ids)
-from ferroxmp.radix.pages import PagePool
+from ferroxmp.page_pool import PagePool
 from ferroxmp.scheduler.batch import Plan, plan_batch
 from ferroxmp.scheduler.cache import CacheManager, pages_for
 from ferroxmp.scheduler.grammar_wait import GrammarWait

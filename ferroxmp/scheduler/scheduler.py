@@ -21,7 +21,7 @@ from ferroxmp.config import setup_logging, watch_parent
 from ferroxmp.liveness import Heartbeat
 from ferroxmp.protocol import (AbortReq, BatchResult, FlushCache, GenerateReq, GrammarReady, KVLoaded, KVTierReport,
                                ProtocolError, Ready, RowOut, Shutdown, TokenOut, decode, encode, endpoints)
-from ferroxmp.radix.pages import PagePool
+from ferroxmp.page_pool import PagePool
 from ferroxmp.scheduler.core import SchedulerConfig, SchedulerCore
 
 log = logging.getLogger("ferroxmp.scheduler")

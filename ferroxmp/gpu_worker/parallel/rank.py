@@ -26,7 +26,7 @@ import torch
 
 from ferroxmp import protocol
 from ferroxmp.config import ServerArgs, setup_logging, watch_parent
-from ferroxmp.radix.pages import PagePool
+from ferroxmp.page_pool import PagePool
 from ferroxmp.gpu_worker.attention import backend_layout, make_backend
 from ferroxmp.gpu_worker.kv.pool import KVPool, pages_for_budget
 from ferroxmp.gpu_worker.loader import UnsupportedModel, load_config, weight_bytes
