@@ -37,7 +37,6 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
-import requests
 import torch
 
 from engine import LocalEngine
@@ -46,7 +45,7 @@ from ferroxmp.gpu_worker.kv.pool import pages_for_budget
 from ferroxmp.gpu_worker.loader import UnsupportedModel, load_config
 from ferroxmp.gpu_worker.runner import ModelRunner
 from ferroxmp.page_pool import PagePool
-from serverproc import serving
+from serverproc import greedy_completion, metric, serving
 
 
 def _noisy_copy(src: str, out: str, scale: float = 0.1) -> str:
@@ -224,27 +223,15 @@ def test_the_kv_budget_counts_the_drafts_bytes_per_page(tiny_model):
 
 # ---- a real server --------------------------------------------------------------
 
-def _complete(srv, prompt: str) -> str:
-    r = requests.post(srv.url + "/v1/completions", headers=srv.headers, timeout=120,
-                      json={"prompt": prompt, "max_tokens": 40, "temperature": 0})
-    r.raise_for_status()
-    return r.json()["choices"][0]["text"]
-
-
-def _metric(srv, name: str) -> float:
-    text = requests.get(srv.url + "/metrics", headers=srv.headers, timeout=30).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
-
-
 def test_a_server_with_a_draft_model_answers_as_one_without_and_counts_its_drafts(tiny_model, drafts):
     prompts = ["the cat sat on the mat and the dog", "def f(x):\n    return x + 1\n", "hello there"]
     with serving(tiny_model) as plain:
-        want = [_complete(plain, p) for p in prompts]
+        want = [greedy_completion(plain, p, 40) for p in prompts]
     with serving(tiny_model, "--draft-model", drafts["self"], "--num-speculative-tokens", "3") as srv:
-        got = [_complete(srv, p) for p in prompts]
+        got = [greedy_completion(srv, p, 40) for p in prompts]
         time.sleep(1.1)  # counters ride the scheduler's heartbeat
-        drafted = _metric(srv, "ferroxmp_spec_draft_tokens_total")
-        accepted = _metric(srv, "ferroxmp_spec_accepted_tokens_total")
+        drafted = metric(srv, "ferroxmp_spec_draft_tokens_total")
+        accepted = metric(srv, "ferroxmp_spec_accepted_tokens_total")
         memory = srv.info["worker_info"]["memory"]
     assert got == want
     assert drafted > 0 and accepted == drafted, (drafted, accepted)

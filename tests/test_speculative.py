@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import requests
 
 from engine import LocalEngine
 from ferroxmp.gpu_worker.sampling.ngram import MAX_SKIP, Backoff, propose
 from ferroxmp.protocol import Grammar
-from serverproc import serving
+from serverproc import greedy_completion, metric, serving
 
 
 def test_propose_continues_the_latest_longest_match():
@@ -138,28 +137,16 @@ def test_stop_tokens_end_a_speculative_row_where_they_end_a_plain_one(tiny_model
     assert accepted > 0
 
 
-def _complete(srv, prompt: str) -> str:
-    r = requests.post(srv.url + "/v1/completions", headers=srv.headers, timeout=120,
-                      json={"prompt": prompt, "max_tokens": 48, "temperature": 0})
-    r.raise_for_status()
-    return r.json()["choices"][0]["text"]
-
-
-def _metric(srv, name: str) -> float:
-    text = requests.get(srv.url + "/metrics", headers=srv.headers, timeout=30).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
-
-
 def test_a_server_with_speculation_answers_as_one_without_and_counts_its_drafts(tiny_model):
     text = "the cat sat on the mat and the dog sat on the log; " * 3
     prompts = [text + "the cat", "def f(x):\n    return x + 1\n\ndef f(x):\n", "hello there"]
     with serving(tiny_model) as plain:
-        want = [_complete(plain, p) for p in prompts]
+        want = [greedy_completion(plain, p, 48) for p in prompts]
     with serving(tiny_model, "--speculative-ngram", "--num-speculative-tokens", "3") as srv:
-        got = [_complete(srv, p) for p in prompts]
+        got = [greedy_completion(srv, p, 48) for p in prompts]
         import time
         time.sleep(1.1)  # counters ride the scheduler's heartbeat
-        drafted = _metric(srv, "ferroxmp_spec_draft_tokens_total")
-        accepted = _metric(srv, "ferroxmp_spec_accepted_tokens_total")
+        drafted = metric(srv, "ferroxmp_spec_draft_tokens_total")
+        accepted = metric(srv, "ferroxmp_spec_accepted_tokens_total")
     assert got == want
     assert drafted > 0 and 0 <= accepted <= drafted
