@@ -211,9 +211,3 @@ def greedy_completion(srv: "ServerProcess", prompt: str, max_tokens: int) -> str
                       json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
     r.raise_for_status()
     return r.json()["choices"][0]["text"]
-
-
-def metric(srv: "ServerProcess", name: str) -> float:
-    """An unlabelled counter of the server's /metrics (summed over its lines)."""
-    text = requests.get(srv.url + "/metrics", headers=srv.headers, timeout=30).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))

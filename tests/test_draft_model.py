@@ -230,8 +230,8 @@ def test_a_server_with_a_draft_model_answers_as_one_without_and_counts_its_draft
     with serving(tiny_model, "--draft-model", drafts["self"], "--num-speculative-tokens", "3") as srv:
         got = [greedy_completion(srv, p, 40) for p in prompts]
         time.sleep(1.1)  # counters ride the scheduler's heartbeat
-        drafted = metric(srv, "ferroxmp_spec_draft_tokens_total")
-        accepted = metric(srv, "ferroxmp_spec_accepted_tokens_total")
+        drafted = metric(srv.url, "ferroxmp_spec_draft_tokens_total", srv.headers)
+        accepted = metric(srv.url, "ferroxmp_spec_accepted_tokens_total", srv.headers)
         memory = srv.info["worker_info"]["memory"]
     assert got == want
     assert drafted > 0 and accepted == drafted, (drafted, accepted)

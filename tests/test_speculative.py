@@ -146,7 +146,7 @@ def test_a_server_with_speculation_answers_as_one_without_and_counts_its_drafts(
         got = [greedy_completion(srv, p, 48) for p in prompts]
         import time
         time.sleep(1.1)  # counters ride the scheduler's heartbeat
-        drafted = metric(srv, "ferroxmp_spec_draft_tokens_total")
-        accepted = metric(srv, "ferroxmp_spec_accepted_tokens_total")
+        drafted = metric(srv.url, "ferroxmp_spec_draft_tokens_total", srv.headers)
+        accepted = metric(srv.url, "ferroxmp_spec_accepted_tokens_total", srv.headers)
     assert got == want
     assert drafted > 0 and 0 <= accepted <= drafted
