@@ -78,9 +78,9 @@ class TokenIds:
         self.n = n
         self.last = self._buf.item(n - 1) if n else None
 
-    def packed(self, start: int = 0, end: int | None = None) -> bytes:
-        """ids[start:end] as wire bytes (the copy into a message)."""
-        return self._buf[start:self.n if end is None else min(end, self.n)].tobytes()
+    def packed(self, start: int = 0) -> bytes:
+        """ids[start:] as wire bytes (the copy into a message)."""
+        return self._buf[start:self.n].tobytes()
 
     def ends_with(self, mark) -> bool:
         n = len(mark)

@@ -33,7 +33,7 @@ def test_token_ids_grow_in_place_and_views_are_not_copies():
     assert t._buf is buf and np.shares_memory(t.array, buf), "grew though the capacity sufficed"
     t.extend(np.arange(50, dtype=np.int32))
     assert len(t) == 63 and t[-1] == 49 and t._buf is not buf  # doubled once
-    assert np.frombuffer(t.packed(3, 5), "<i4").tolist() == [100, 101]
+    assert np.frombuffer(t.packed(60), "<i4").tolist() == [47, 48, 49]
     assert t.ends_with([48, 49]) and not t.ends_with([49, 48]) and not t.ends_with([])
     t.truncate(3)
     assert t.array.tolist() == [5, 6, 7] and TokenIds.from_wire(t.packed()).array.tolist() == [5, 6, 7]
@@ -72,8 +72,8 @@ class Counted:
         return counted
 
 
-def _decode_conversions(model: str, prompt_len: int, monkeypatch) -> tuple[int, int]:
-    """(ids converted during 12 decode steps of 3 rows, ids converted in all)."""
+def _decode_conversions(model: str, prompt_len: int, monkeypatch) -> int:
+    """Ids converted during 12 decode steps of 3 rows."""
     eng = LocalEngine(model, num_pages=256, page_size=4, max_batch_tokens=2048, max_rows=4)
     try:
         rng = np.random.default_rng(prompt_len)
@@ -93,14 +93,14 @@ def _decode_conversions(model: str, prompt_len: int, monkeypatch) -> tuple[int, 
         assert all(r.ids is sched[r.rid] for r in reqs), "a request's ids were rebuilt"
         assert all(np.shares_memory(r.tokens, r.ids._buf) for r in reqs), "Request.tokens is a copy"
         assert all(len(eng.outputs[r.rid]) >= 12 for r in reqs)
-        return during, c.ids
+        return during
     finally:
         eng.close()
 
 
 def test_a_decode_step_converts_no_ids_of_the_rows_context(tiny_models, monkeypatch):
-    short, _ = _decode_conversions(tiny_models["llama"], 24, monkeypatch)
-    long, _ = _decode_conversions(tiny_models["llama"], 8 * 24, monkeypatch)
+    short = _decode_conversions(tiny_models["llama"], 24, monkeypatch)
+    long = _decode_conversions(tiny_models["llama"], 8 * 24, monkeypatch)
     assert short == long, f"decode converted {short} ids with 24-token prompts, {long} with 192"
     # What remains per step and row: the result's row and token (packed, unpacked), the
     # RowOut's token (packed); a bound that a copy of any context (>= 24 ids) would break.

@@ -48,8 +48,8 @@ class Plan:
     # from the chunks so the core applies them in one tight pass (no tuple per row).
     decode: list[Request] = field(default_factory=list)
     grow: list[Request] = field(default_factory=list)  # decode rows at a page boundary: one page each
-    steps: list[tuple[Request, int, bool]] = field(default_factory=list)  # chunks: (request, length, sample)
-    admit: list[Admission] = field(default_factory=list)
+    steps: list[tuple[Request, int, bool]] = field(default_factory=list)  # prefilling rows' chunks
+    admit: list[Admission] = field(default_factory=list)  # their first chunks go after `steps`
     retract: list[Request] = field(default_factory=list)
     reserve: int = 0  # pages admissions leave for the decode rows
 
@@ -179,7 +179,6 @@ def _admit(plan: Plan, waiting: list[Request], prefilling: list[Request], cache:
         remaining = req.known_len - adopt
         chunk = min(remaining, budget)
         plan.admit.append(Admission(req, chunk, blocking))
-        plan.steps.append((req, chunk, chunk == remaining))
         pages -= need
         rows -= 1
         budget -= chunk

@@ -171,7 +171,7 @@ class SchedulerCore:
         if plan.grow and not self.cache.grow([r.cache for r in plan.grow]):
             short = [r for r in plan.grow if not self.cache.allocate(r.cache, r.scheduled + 1)]
             plan.decode = [r for r in plan.decode if r not in short]
-        new_rows, chunks_of = [], {}
+        new_rows, chunks_planned = [], plan.steps  # + the admissions' first chunks below
         stopped = False
         for a in plan.admit:
             handle = None if stopped else self.cache.admit(a.req, plan.reserve)
@@ -188,12 +188,9 @@ class SchedulerCore:
                 self.totals.cached_prompt_tokens += req.cached_tokens
             new_rows.append(self.new_row(req))
             remaining = req.known_len - handle.adopted  # eviction may have taken part of its match
-            chunks_of[req] = min(remaining, a.chunk), min(remaining, a.chunk) == remaining
-        if plan.admit:  # the admissions' chunks: as planned, or as admitted, or dropped
-            admitting = {a.req for a in plan.admit}
-            plan.steps = [(r, *chunks_of[r]) if r in chunks_of else (r, n, sample)
-                          for r, n, sample in plan.steps if r not in admitting or r in chunks_of]
-        if not plan.decode and not plan.steps:
+            chunk = min(remaining, a.chunk)
+            chunks_planned.append((req, chunk, chunk == remaining))
+        if not plan.decode and not chunks_planned:
             return None
         # Decode rows in one pass (most of a step); then the prefill chunks.
         rows, starts = schedule_decode(plan.decode)
@@ -201,7 +198,7 @@ class SchedulerCore:
         if rows:
             self.cache.set_lengths(rows, np.add(starts, 1))
         chunks = []
-        for req, length, sample in plan.steps:
+        for req, length, sample in chunks_planned:
             step = RowStep(req.row, req.scheduled, length, sample)
             req.schedule(length, sample)
             chunks.append((req, step))
