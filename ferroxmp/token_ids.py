@@ -5,7 +5,9 @@ scheduler's Request and the worker's row state each hold one; the wire carries t
 same int32 bytes (`protocol.pack_ids`), so a prompt is converted once where it arrives
 (`from_wire`) and a token appended is one store, not a copy of the row.
 
-Invariants: `n` ids are known (read it, never write it: only this class does); `array`
+Invariants: `n` ids are known (read it, never write it: only this class does, and
+`scheduler.request.decoded_many`, which writes `append`'s lines out because it runs
+for every decoding row every step and the call costs as much as the store); `array`
 is a view of them (no copy; valid until the next append that grows the buffer, so
 callers do not keep it across appends); growth doubles the capacity, so appending n
 tokens costs O(n) in all. `append` and `last` are on the scheduler's per-row,

@@ -65,8 +65,7 @@ def plan_batch(waiting: list[Request], live: Iterable[Request], cache: CacheMana
     step_budget.py). Decode rows are never cut by it."""
     plan = Plan()
     live = sorted(live, key=_ARRIVAL)
-    pages = cache.available_pages
-    prefilling, left, pages = _plan_decode(plan, live, cache.page_size, budget, pages)
+    prefilling, left, pages = _plan_decode(plan, live, cache, budget)
     budget = left if prefill_cap is None else min(left, prefill_cap(len(plan.decode)))
 
     retract = plan.retract
@@ -87,6 +86,8 @@ def plan_batch(waiting: list[Request], live: Iterable[Request], cache: CacheMana
         # Every admission needs at least one fresh page beyond the decode rows' reserve:
         # without one, the queue is not even scored.
         plan.reserve = reserve
+        if pages is None:
+            pages = cache.available_pages - len(plan.grow)
         if pages > reserve:
             # Until its last chunk reports back (computed, not merely scheduled), a
             # prefix is not in the tree yet.
@@ -97,16 +98,17 @@ def plan_batch(waiting: list[Request], live: Iterable[Request], cache: CacheMana
     return plan
 
 
-def _plan_decode(plan: Plan, live: list[Request], ps: int, budget: int,
-                 pages: int) -> tuple[list[Request], int, int]:
+def _plan_decode(plan: Plan, live: list[Request], cache: CacheManager,
+                 budget: int) -> tuple[list[Request], int, Optional[int]]:
     """One pass over every live row (this runs every step): decode rows are planned
     oldest first, prefilling rows collected for after them. Returns those, the token
     budget and the pages left. If the rows at a page boundary cannot all have a page,
     the pass is made again giving pages oldest first and retracting for the first row
-    left without one."""
+    left without one. The pages left are None when not counted (the pool's count is
+    read only when a row grows: most steps none does)."""
     decode, prefilling, grow = plan.decode, [], plan.grow
     decoding_state, prefilling_state = State.DECODING, State.PREFILLING
-    start_budget, start_pages = budget, pages
+    start_budget, ps = budget, cache.page_size
     for req in live:
         if req.retracting:
             continue
@@ -119,12 +121,15 @@ def _plan_decode(plan: Plan, live: list[Request], ps: int, budget: int,
                 grow.append(req)
             decode.append(req)
             budget -= 1
+    if not grow:
+        return prefilling, budget, None
+    pages = cache.available_pages
     if len(grow) <= pages:
         return prefilling, budget, pages - len(grow)
     # The pool is short: row by row, oldest first; a row without a page waits a step.
     decode.clear()
     grow.clear()
-    budget, pages, retract = start_budget, start_pages, plan.retract
+    budget, retract = start_budget, plan.retract
     for req in live:
         if req.retracting or req.state is not decoding_state or (retract and req in retract):
             continue

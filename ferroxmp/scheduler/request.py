@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ferroxmp.protocol import Logprobs, SamplingParams
+from ferroxmp.protocol import Logprobs, RowOut, SamplingParams
 from ferroxmp.token_ids import PACK1, TokenIds
 
 
@@ -50,6 +50,7 @@ class Request:
     salt: str = ""  # prefixes are shared only between requests with the same salt
     stops: frozenset = frozenset()  # sampled ids that end it with "stop" (EOS unless ignore_eos, stop_token_ids)
     ids: TokenIds = None  # type: ignore[assignment]  # prompt + output (__post_init__)
+    n_prompt: int = 0  # len(prompt), a constant kept as an int: the per-row, per-step checks read it
     state: State = State.WAITING
     cache: Any = None  # the cache manager's handle while the request holds a row
     scheduled: int = 0
@@ -76,11 +77,12 @@ class Request:
 
     def __post_init__(self) -> None:
         self.ids = TokenIds(self.prompt)
+        self.n_prompt = len(self.prompt)
 
     @property
     def n_output(self) -> int:
         """Tokens sampled (an int: the per-row, per-step checks read it, not a view)."""
-        return self.ids.n - len(self.prompt)
+        return self.ids.n - self.n_prompt
 
     @property
     def tokens(self) -> np.ndarray:
@@ -159,22 +161,11 @@ class Request:
 
     def decoded(self, start: int, token: int, logprobs: Optional[Logprobs]) -> bool:
         """A decode step at `start` reported back with its token: `reported(start + 1)`, then
-        `add_token` unless the request ended meanwhile (the token is dropped: False). Both
-        written out in one body: this runs for every decoding row every step, and a call
-        costs as much as the work (tools/bench_scheduler.py)."""
-        self.inflight -= 1  # InFlight named it (core.check_integrity recounts inflight)
-        if start >= self.computed and self.finish_reason != "error":
-            self.computed = start + 1
+        `add_token` unless the request ended meanwhile (the token is dropped: False)."""
+        self.reported(start + 1)
         if self.state is State.FINISHED:
             return False
-        ids = self.ids
-        ids.append(token)
-        if logprobs is not None:
-            self.pending_logprobs.append(logprobs)
-        if token in self.stops:
-            self.finish("stop")
-        elif ids.n - len(self.prompt) >= self.params.max_tokens:
-            self.finish("length")
+        self.add_token(token, logprobs)
         return True
 
     def add_token(self, token: int, logprobs: Optional[Logprobs] = None) -> None:
@@ -186,7 +177,7 @@ class Request:
             self.pending_logprobs.append(logprobs)
         if int(token) in self.stops:
             self.finish("stop")
-        elif ids.n - len(self.prompt) >= self.params.max_tokens:
+        elif ids.n - self.n_prompt >= self.params.max_tokens:
             self.finish("length")
 
     def accept_drafts(self, start: int, extra: np.ndarray) -> int:
@@ -216,21 +207,25 @@ class Request:
         """An embedding row's vector: it travels with the RowOut that ends it (max_tokens 1)."""
         self.embedding = vec
 
-    def report_one(self) -> bytes:
-        """The one token sampled since the last report (the newest), as wire bytes: the
-        common case, once per decoding row per step."""
-        self.reported_tokens += 1  # the caller checked: exactly one new token
-        return PACK1(self.ids.last)
-
-    def take_report(self) -> tuple[bytes, Optional[list], list]:
-        """Everything not reported yet: (token ids as wire bytes, their logprobs or None,
-        prompt logprobs), now counted as reported."""
-        new = self.ids.packed(len(self.prompt) + self.reported_tokens)
+    def take_report(self) -> Optional[RowOut]:
+        """Everything not reported yet as one RowOut (None: nothing new), now counted as
+        reported. It carries the request's counts: it is the first with tokens or the last
+        (a decoding row's other reports are `report`'s inline (rid, token))."""
+        if self.n_output == self.reported_tokens and self.state != State.FINISHED:
+            return None
+        ids = self.ids.packed(self.n_prompt + self.reported_tokens)
         lps = self.pending_logprobs or None
-        plps = self.pending_prompt_logprobs
         self.reported_tokens = self.n_output
+        # Positional (RowOut's field order): this runs once per row per step.
+        out = RowOut(self.rid, ids, lps, self.finish_reason, self.error,
+                     500 if self.finish_reason == "error" else 200,
+                     len(self.prompt), self.cached_tokens, self.queue_time)
+        if self.embedding:
+            out.embedding = self.embedding
+        if self.pending_prompt_logprobs:
+            out.prompt_logprobs = self.pending_prompt_logprobs
         self.pending_logprobs, self.pending_prompt_logprobs = [], []
-        return new, lps, plps
+        return out
 
     def finish(self, reason: str, error: Optional[str] = None) -> None:
         if self.state != State.FINISHED:
@@ -251,3 +246,55 @@ def schedule_decode(reqs: list[Request]) -> tuple[list[int], list[int]]:
         req.inflight += 1
         req.sampled_scheduled += 1
     return rows, starts
+
+
+def decoded_many(reqs: list[Request], starts: list[int], tokens: list[int],
+                 news: dict[str, "Request"]) -> tuple[int, list[Request]]:
+    """`decoded(start, token, None)` for every decode row of a batch, in one pass (the
+    step's common case: no logprobs, no drafts). The bodies of `reported` and
+    `add_token` are written out here because this runs for every decoding row every
+    step and a call costs as much as the work (tools/bench_scheduler.py (a));
+    `test_scheduler_core.py` checks it against the per-row transitions. Rows with news
+    go into `news` (the outbox's map); returns (tokens appended, requests that ended:
+    no batch in flight names them and they are finished or retracting)."""
+    finished = State.FINISHED
+    ended = []
+    n = 0
+    for req, start, token in zip(reqs, starts, tokens):
+        req.inflight -= 1  # InFlight named it (core.check_integrity recounts inflight)
+        if start >= req.computed and req.finish_reason != "error":
+            req.computed = start + 1
+        if req.state is not finished:
+            ids = req.ids
+            m = ids.n
+            if m == ids._cap:
+                ids._reserve(1)
+            ids._buf[m] = token
+            ids.n = m + 1
+            ids.last = token
+            n += 1
+            news[req.rid] = req
+            if token in req.stops:
+                req.finish("stop")
+            elif ids.n - req.n_prompt >= req.params.max_tokens:
+                req.finish("length")
+        if req.inflight == 0 and (req.state is finished or req.retracting):
+            ended.append(req)  # ended now, or earlier with this token dropped
+    return n, ended
+
+
+def report(reqs, outs: list[RowOut]) -> None:
+    """`take_report` for each request with news, appended to `outs`. The common case is
+    written out (one more token, nothing else to say: a decoding row every step), without
+    a call per row, as only (rid, token): the request's counts went with its first token
+    and go again with its last (tools/bench_scheduler.py (a))."""
+    finished = State.FINISHED
+    for req in reqs:
+        k = req.reported_tokens
+        ids = req.ids
+        if (ids.n - req.n_prompt == k + 1 and k > 0 and req.state is not finished
+                and not req.pending_logprobs and not req.pending_prompt_logprobs):
+            req.reported_tokens = k + 1
+            outs.append(RowOut(req.rid, PACK1(ids.last)))
+        elif (out := req.take_report()) is not None:
+            outs.append(out)

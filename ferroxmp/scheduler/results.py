@@ -18,7 +18,7 @@ import logging
 from ferroxmp.protocol import BatchResult, RowStep, unpack_ids
 from ferroxmp.scheduler.cache import CacheManager
 from ferroxmp.scheduler.inflight import InFlight
-from ferroxmp.scheduler.request import Request, State
+from ferroxmp.scheduler.request import Request, State, decoded_many
 
 log = logging.getLogger("ferroxmp.scheduler")
 
@@ -27,17 +27,11 @@ def apply_decode(batch: InFlight, tokens: list[int], logprobs: dict,
                  news: dict[str, Request], spec: dict[int, bytes] = {}) -> tuple[int, list[Request]]:
     """`news` is the outbox's rid -> request map (noted without a call per row); `spec`
     the accepted draft tokens by row (--speculative-ngram)."""
+    if not logprobs and not spec:  # the common step, without a lookup per row
+        return decoded_many(batch.decode, batch.starts, tokens, news)
     finished = State.FINISHED
     ended = []
     n = 0
-    if not logprobs and not spec:  # the common step, without a lookup per row
-        for req, start, token in zip(batch.decode, batch.starts, tokens):
-            if req.decoded(start, token, None):
-                n += 1
-                news[req.rid] = req
-            if req.inflight == 0 and (req.state is finished or req.retracting):
-                ended.append(req)  # ended now, or earlier with this token dropped
-        return n, ended
     for req, row, start, token in zip(batch.decode, batch.rows, batch.starts, tokens):
         if req.decoded(start, token, logprobs.get(row) if logprobs else None):
             n += 1
