@@ -77,6 +77,9 @@ class ServerArgs:
                                      "--draft-model.")
     disable_cuda_graph: bool = _f(False, "On CUDA, run decode steps eagerly instead of replaying CUDA graphs "
                                   "captured per padded batch size (CPU never uses graphs).")
+    disable_fused_decode: bool = _f(False, "With int4/int8 weights on CPU, run a single decoding row's step as "
+                                    "eager torch ops instead of one native call through every layer "
+                                    "(quant/one_row.c; the same tokens, within float rounding).")
     swa_release_interval: int = _f(32, "Steps between releases of pages outside every sliding window.")
     tp: int = _f(1, "Tensor-parallel ranks in all (one worker process each, split evenly over --nnodes); "
                  "must divide the attention heads and the MLP width.")

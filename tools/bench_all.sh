@@ -209,10 +209,14 @@ section_quant() {  # issue 30: one server at a time on the same GGUF, per --quan
     local gguf=${GGUF:-$("$PY" -c "from ferroxmp.checkpoint.default_model import default_model_path as p; print(p())")}
     local W=("$PY" tools/bench_serving.py --base-url "http://127.0.0.1:$A_PORT" --workload random
              --input-len 64 --output-len 64 --seed 30)
-    local mode pids
-    for mode in none fp16 int8 int4; do
+    local mode pids flags
+    # QUANT_MODES: which servers (default all); "<mode>-eager" adds --disable-fused-decode
+    # (the single row's step as eager torch ops instead of quant/one_row.c's one call)
+    for mode in ${QUANT_MODES:-none fp16 int8 int4 int4-eager}; do
+        flags=(--quantization "${mode%-eager}")
+        [[ $mode == *-eager ]] && flags+=(--disable-fused-decode)
         # a small KV pool (0.25 GiB), so the resident size shows the weights
-        MODEL=$gguf start_ferroxmp "quant_$mode" "$A_PORT" --quantization "$mode" --kv-cache-gb 0.25
+        MODEL=$gguf start_ferroxmp "quant_$mode" "$A_PORT" "${flags[@]}" --kv-cache-gb 0.25
         pids=$(curl -s "http://127.0.0.1:$A_PORT/server_info" | "$PY" -c \
             "import json,sys; p=json.load(sys.stdin)['processes']; print(*[p['frontend'], p['scheduler'], *p['workers']])")
         measure "quant_${mode}_1" "${W[@]}" --num-prompts 8 --max-concurrency 1 --out "$OUT/quant_${mode}_1.json"

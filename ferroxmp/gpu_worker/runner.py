@@ -38,6 +38,7 @@ from ferroxmp.gpu_worker.loader import ModelConfig, load_config, load_weights, r
 from ferroxmp.gpu_worker.models import build_model
 from ferroxmp.gpu_worker.pooling import MODES as POOLING_MODES, Pooled, normed
 from ferroxmp.gpu_worker.quant import describe_bytes, resolve_mode
+from ferroxmp.gpu_worker.quant.one_row import OneRowDecode
 from ferroxmp.gpu_worker.sampling.sampler import RowSample, logprobs_of, sample, sample_rows
 
 if TYPE_CHECKING:  # llguidance (grammar.py) loads on the first constrained request
@@ -74,7 +75,8 @@ class ModelRunner:
     def __init__(self, model_path: str, pool: PagePool, page_size: int, device: str = "auto",
                  dtype: str = "auto", attention: str = "auto", tp=None, deterministic: bool = False,
                  cuda_graph: bool = True, keep_logits: bool = False, quantization: str = "auto",
-                 draft_model: Optional[str] = None, draft_quantization: str = "auto"):
+                 draft_model: Optional[str] = None, draft_quantization: str = "auto",
+                 fused_decode: bool = True):
         self.device = resolve_device(device)
         self.config: ModelConfig = load_config(model_path, dtype)
         # --quantization: 'none', 'fp16', 'int8' or 'int4' for this checkpoint and device (quant/policy.py)
@@ -101,6 +103,7 @@ class ModelRunner:
         # CUDA graphs (decode steps replayed per padded batch size) need one page past the
         # scheduler's for padding rows; never on CPU, under --tp or --deterministic.
         self._graphs_allowed = self.device.type == "cuda" and tp is None and not deterministic
+        self._fused_decode = fused_decode  # False: --disable-fused-decode (quant/one_row.py)
         self.rows: dict[int, RowState] = {}
         self.failed: dict[int, str] = {}  # row -> why; its steps are skipped until a NewRow restarts it
         self.attach_pool(pool, cuda_graph)
@@ -129,6 +132,14 @@ class ModelRunner:
         self.attn = make_backend(self.kv, self.config.sliding_window, self.device, self._attention,
                                  num_heads=self._shape.num_heads)
         self.graphs = self._decode_graphs(pool) if graphs else None
+        if not self._fused_decode:
+            self.model.one_row, why = None, "--disable-fused-decode"
+        elif self.tp is not None:
+            self.model.one_row, why = None, "--tp"  # each rank holds a shard: the all-reduce is torch's
+        else:
+            self.model.one_row, why = OneRowDecode.build(self.model, self.kv, self.attn)
+        if self.quantization in ("int4", "int8"):
+            log.info("one-row decode step: %s", "fused (one native call)" if why is None else f"eager ({why})")
         log.info("memory: %s", describe_bytes(self.model.weight_bytes(), self.kv.nbytes))
         return self
 

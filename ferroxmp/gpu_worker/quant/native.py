@@ -1,4 +1,4 @@
-"""The compiled kernels of groups.c, built at first use with the machine's C compiler.
+"""The compiled kernels of groups.c and one_row.c, built at first use with the machine's C compiler.
 
 Job: find or build the shared library for this CPU and load it (ctypes); say in one
 sentence why not when it cannot (no compiler, a CPU without AVX2/FMA/F16C, a build error),
@@ -20,7 +20,10 @@ import shutil
 import subprocess
 import tempfile
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "groups.c")
+HERE = os.path.dirname(os.path.abspath(__file__))
+# one_row.c includes groups.c: one translation unit, so the whole-step function calls the
+# one-row kernels inline. Both files are hashed into the cache key.
+SOURCES = (os.path.join(HERE, "groups.c"), os.path.join(HERE, "one_row.c"))
 # FERROXMP_KERNEL_MARCH: another -march (e.g. haswell: the AVX2 code on an AVX-512 CPU)
 FLAGS = ["-O3", f"-march={os.environ.get('FERROXMP_KERNEL_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC"]
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
@@ -59,8 +62,10 @@ def library() -> ctypes.CDLL:
     if compiler is None:
         raise NativeUnavailable("the int4/int8 kernels are compiled at first use and no C compiler was found "
                                 "(install gcc, or set CC)")
-    with open(SOURCE, "rb") as f:
-        source = f.read()
+    source = b""
+    for name in SOURCES:
+        with open(name, "rb") as f:
+            source += f.read()
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + " ".join(sorted(flags)).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), f"groups-{key}.so")
     if not os.path.exists(path):
@@ -68,7 +73,7 @@ def library() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir())
         os.close(fd)
         try:
-            done = subprocess.run([compiler, *FLAGS, SOURCE, "-o", tmp], capture_output=True, text=True,
+            done = subprocess.run([compiler, *FLAGS, SOURCES[-1], "-o", tmp, "-lm"], capture_output=True, text=True,
                                   timeout=120)
             if done.returncode != 0:
                 raise NativeUnavailable(f"compiling the int4/int8 kernels failed: {done.stderr.strip()[-500:]}")
@@ -77,7 +82,7 @@ def library() -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     lib = ctypes.CDLL(path)
-    for name in ("int4_mm", "int8_mm", "int4_dequant", "int8_dequant"):
+    for name in ("int4_mm", "int8_mm", "int4_dequant", "int8_dequant", "one_row_decode"):
         getattr(lib, name).restype = None
     return lib
 

@@ -1,0 +1,117 @@
+"""OneRowDecode: a decode step of exactly one row, through every layer in one native call.
+
+Job: for a model whose linear weights are all Groups (--quantization int4/int8, or a
+Q4/Q8 GGUF), computing in float32 on CPU, run the batch-1 decode step (the single
+stream's every token) as `one_row.c`'s `one_row_decode` instead of ~600 eager torch ops.
+`build` says why not when it cannot (the model then runs eagerly, as before); `__call__`
+takes the row's embedding and returns its final hidden state, having written the step's
+K/V to the pool and the decode mirror as the eager path does.
+
+Invariants: the weights, norms and pool never move after `build` (their addresses are
+kept in one ctypes struct); the mirror may (it grows), so its address is set per call.
+Used only where the eager path's results are not required to the bit: never under
+--deterministic (which refuses int4/int8 anyway) or --tp.
+"""
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, c_float, c_int, c_int64, c_void_p
+from typing import Optional
+
+import torch
+
+from ferroxmp.gpu_worker.quant.groups import Groups
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("q", c_void_p), ("d", c_void_p), ("m", c_void_p), ("bias", c_void_p), ("n", c_int), ("k", c_int)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("in_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p), ("k_norm", c_void_p),
+                ("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin), ("down", _Lin)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("layers", c_int), ("heads", c_int), ("kv_heads", c_int), ("head_dim", c_int),
+                ("hidden", c_int), ("inter", c_int), ("eps", c_float), ("layer", POINTER(_Layer)),
+                ("pool_k", c_void_p), ("pool_v", c_void_p), ("pool_slots", c_int64),
+                ("mir_k", c_void_p), ("mir_v", c_void_p), ("mir_slots", c_int64), ("mir_cap", c_int64)]
+
+
+def _addr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def _float32(t: Optional[torch.Tensor], keep: list) -> Optional[int]:
+    """The address of `t` as contiguous float32 (a converted copy is kept alive in `keep`)."""
+    if t is None:
+        return None
+    t = t.detach().to(torch.float32).contiguous()
+    keep.append(t)
+    return t.data_ptr()
+
+
+def _lin(w: Groups, bias: Optional[torch.Tensor], keep: list) -> _Lin:
+    n, k = w.shape
+    return _Lin(_addr(w.q), _addr(w.d), _addr(w.m), _float32(bias, keep), n, k)
+
+
+class OneRowDecode:
+    def __init__(self, model, kv, lib):
+        cfg = self.cfg = model.cfg
+        self.model, self.kv, self.fn = model, kv, lib.one_row_decode
+        self._keep: list = []  # float32 copies the struct points at
+        layers = (_Layer * cfg.num_layers)(*[_Layer(
+            _float32(L.in_norm, self._keep), _float32(L.post_norm, self._keep),
+            _float32(L.q_norm, self._keep), _float32(L.k_norm, self._keep),
+            _lin(L.w_qkv, L.b_qkv, self._keep), _lin(L.w_o, L.b_o, self._keep),
+            _lin(L.w_gate_up, None, self._keep), _lin(L.w_down, None, self._keep)) for L in model.layers])
+        self._layers = layers
+        self.m = _Model(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
+                        cfg.intermediate_size, cfg.rms_norm_eps, layers,
+                        kv.k.data_ptr(), kv.v.data_ptr(), kv.num_slots, None, None, 0, 0)
+        self._scratch = torch.empty(0)
+
+    @staticmethod
+    def why_not(model, kv, attn) -> Optional[str]:
+        """None when the one-call step can run this model on this pool, else the reason."""
+        from ferroxmp.gpu_worker.attention.cpu import TorchBackend
+        from ferroxmp.gpu_worker.quant.native import available
+        from ferroxmp.gpu_worker.quant.packed import linear
+        cfg = model.cfg
+        weights = [w for L in model.layers for w in (L.w_qkv, L.w_o, L.w_gate_up, L.w_down)]
+        if not all(isinstance(w, Groups) for w in weights):
+            return "its linear weights are not all int4/int8 groups"
+        if cfg.dtype != torch.float32 or kv.dtype != torch.float32 or kv.device.type != "cpu":
+            return "it computes in float32 on CPU only"
+        if not isinstance(attn, TorchBackend) or attn.mirror is None or kv.layout != "hnd":
+            return "it needs the CPU attention backend with its decode mirror (no sliding window)"
+        if model.linear is not linear:
+            return "the model's matmuls are replaced (--deterministic)"
+        return available()
+
+    @classmethod
+    def build(cls, model, kv, attn) -> tuple[Optional["OneRowDecode"], Optional[str]]:
+        why = cls.why_not(model, kv, attn)
+        if why is not None:
+            return None, why
+        from ferroxmp.gpu_worker.quant.native import library
+        return cls(model, kv, library()), None
+
+    def __call__(self, h: torch.Tensor, position: int, slot: int, mslot: int, mirror) -> torch.Tensor:
+        """h [1, hidden] float32 (the row's embedding, overwritten) -> its final hidden state."""
+        cfg, m = self.cfg, self.m
+        m.mir_k, m.mir_v = mirror.k.data_ptr(), mirror.v.data_ptr()
+        m.mir_slots, m.mir_cap = mirror.slots, mirror.cap
+        need = (2 * cfg.hidden_size + (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                + 2 * cfg.intermediate_size + (position + 1) * cfg.num_heads + max(cfg.hidden_size, cfg.intermediate_size) // 32 + 64)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(2 * need)
+        h = h.contiguous()
+        hd = cfg.head_dim
+        cos = self.model.cos_table.data_ptr() + 4 * position * hd
+        sin = self.model.sin_table.data_ptr() + 4 * position * hd
+        self.fn(ctypes.byref(m), c_void_p(h.data_ptr()), c_void_p(cos), c_void_p(sin), c_int64(slot),
+                c_int64(mslot), c_int64(position), c_void_p(self._scratch.data_ptr()))
+        return h

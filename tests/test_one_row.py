@@ -1,0 +1,104 @@
+"""The one-call decode step (quant/one_row.c): a single decoding row through every layer
+natively, against the eager torch path on the same weights.
+
+Oracle: the same runner with --disable-fused-decode (the eager path, which test_quant
+checks layer by layer against the dequantized float weights and test_default_model
+against transformers). The fused step sums in another order, so logits are compared
+within a bound (float32 rounding over a few thousand terms, amplified by 2-4 layers:
+1e-4 of the logits' scale) and greedy tokens must be equal. The K/V it writes are
+checked by what later steps read: a row that sits out a step leaves the decode mirror
+and is refilled from the pool (so a missing pool write would change its tokens), and a
+batched step reads the mirror the fused steps wrote.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferroxmp.gpu_worker.quant.one_row import OneRowDecode
+from ferroxmp.protocol import RowStep, SamplingParams, unpack_ids
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _drive(h) -> tuple[list[int], list[torch.Tensor], int]:
+    """Row 0 alone: prefill, 6 single-row decode steps; row 1's prefill and one decode
+    step alone (row 0 sits out: it leaves the mirror); then both decode together for 4
+    steps (row 0 refilled from the pool). Returns the tokens, each step's logits, and the
+    one-row calls made."""
+    p0, p1 = [5, 9, 300, 17, 4, 77, 12, 801, 3, 3, 64], list(range(40, 73))
+    calls = []
+    if h.runner.model.one_row is not None:
+        inner = h.runner.model.one_row.fn
+        h.runner.model.one_row.fn = lambda *a: calls.append(1) or inner(*a)
+    toks, logits = [], []
+
+    def step(new, steps):
+        res = h.run(new, steps)
+        assert res.error is None and not res.row_errors, (res.error, res.row_errors)
+        got = dict(zip(unpack_ids(res.rows).tolist(), unpack_ids(res.tokens).tolist()))
+        logits.append(h.runner.last_logits.clone())
+        return got
+
+    out0 = [step([h.new_row(0, p0)], [RowStep(0, 0, len(p0), True)])[0]]
+    for _ in range(6):
+        out0.append(step([], [RowStep(0, len(p0) + len(out0) - 1, 1, True)])[0])
+    out1 = [step([h.new_row(1, p1)], [RowStep(1, 0, len(p1), True)])[1]]
+    out1.append(step([], [RowStep(1, len(p1), 1, True)])[1])
+    for _ in range(4):
+        got = step([], [RowStep(0, len(p0) + len(out0) - 1, 1, True), RowStep(1, len(p1) + len(out1) - 1, 1, True)])
+        out0.append(got[0])
+        out1.append(got[1])
+    return out0 + out1, logits, len(calls)
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+@pytest.mark.parametrize("shape", ["llama", "qwen2", "qwen3"])
+def test_a_single_decoding_row_in_one_call_gives_the_eager_steps_tokens_and_logits(tiny_models, make_harness,
+                                                                                    shape, mode):
+    """llama (GQA), qwen2 (q/k/v biases), qwen3 (q/k norms); int4 and int8 weights."""
+    fused = make_harness(tiny_models[shape], page_size=4, max_rows=2, pages_per_row=64, quantization=mode)
+    assert fused.runner.model.one_row is not None
+    eager = make_harness(tiny_models[shape], page_size=4, max_rows=2, pages_per_row=64, quantization=mode,
+                         fused_decode=False)
+    assert eager.runner.model.one_row is None
+    got, got_logits, calls = _drive(fused)
+    want, want_logits, _ = _drive(eager)
+    assert calls == 7, "the single-row steps did not take the one-call path"
+    for g, w in zip(got_logits, want_logits):
+        assert (g - w).abs().max() <= 1e-4 * w.abs().max(), (g - w).abs().max()
+    assert got == want
+
+
+def test_the_real_model_answers_the_same_in_one_call(make_harness):
+    """SmolLM2's Q4_1 GGUF under int4 (its file's own blocks): one question decoded alone,
+    24 tokens, fused and eager."""
+    from ferroxmp.checkpoint.default_model import default_model_path
+    from ferroxmp.frontend.text.tokenizer import TextCodec
+    path = default_model_path()
+    prompt = TextCodec(path).encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    answers = {}
+    for fused in (True, False):
+        h = make_harness(path, max_rows=1, pages_per_row=8, quantization="int4", fused_decode=fused)
+        assert (h.runner.model.one_row is not None) == fused
+        answers[fused], logits = h.generate({0: prompt}, 24)
+        answers[fused] = (answers[fused][0], logits[0])
+        h.close()
+    assert answers[True][0] == answers[False][0]
+    for g, w in zip(answers[True][1], answers[False][1]):
+        assert (g - w).abs().max() <= 1e-4 * w.abs().max()
+
+
+def test_where_it_cannot_run_the_step_stays_eager_and_says_why(tiny_models, make_harness):
+    float_w = make_harness(tiny_models["llama"], quantization="none")
+    assert float_w.runner.model.one_row is None
+    assert "int4/int8" in OneRowDecode.why_not(float_w.runner.model, float_w.runner.kv, float_w.runner.attn)
+    window = make_harness(tiny_models["mistral"], quantization="int4")  # a sliding window: no decode mirror
+    assert window.runner.model.one_row is None
+    assert "mirror" in OneRowDecode.why_not(window.runner.model, window.runner.kv, window.runner.attn)
+
+
+def test_disable_fused_decode_is_a_flag_and_off_by_default():
+    from ferroxmp.config import parse_server_args
+    assert parse_server_args([]).disable_fused_decode is False
+    assert parse_server_args(["--disable-fused-decode"]).disable_fused_decode is True
