@@ -48,9 +48,68 @@ static void lin(const Lin* w, const float* x, float* y, float* xs) {
   if (w->bias) for (int i = 0; i < w->n; i++) y[i] += w->bias[i];
 }
 
+#ifdef __AVX512F__
+#define VADD _mm512_add_ps
+#define VSUB _mm512_sub_ps
+#define VMAX _mm512_max_ps
+#define VROUND(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VPOW2(y, n) _mm512_scalef_ps(y, n)
+#else
+#define VADD _mm256_add_ps
+#define VSUB _mm256_sub_ps
+#define VMAX _mm256_max_ps
+#define VROUND(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VPOW2(y, n) _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32( \
+    _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23)))
+#endif
+/* a . b in float lanes (a plain loop is one scalar chain: C may not reorder the sum). */
+static inline float dot(const float* a, const float* b, int n) {
+  VEC s0 = VZERO, s1 = VZERO;
+  int i = 0;
+  for (; i + 2 * LANES <= n; i += 2 * LANES) {
+    s0 = VFMA(VLOAD(a + i), VLOAD(b + i), s0);
+    s1 = VFMA(VLOAD(a + i + LANES), VLOAD(b + i + LANES), s1);
+  }
+  for (; i + LANES <= n; i += LANES) s0 = VFMA(VLOAD(a + i), VLOAD(b + i), s0);
+  float s = hsum(VADD(s0, s1));
+  for (; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
+/* e^x for x <= 0, in float lanes: Cephes' expf (range reduction by ln 2 in two parts, a
+   degree-5 polynomial; within 2 ulp of expf), so the softmax costs no scalar libm call
+   per key. Below -87.3 the result is ~1e-38 instead of 0: nothing to a softmax sum. */
+static inline VEC vexp(VEC x) {
+  x = VMAX(x, VSET1(-87.3f));
+  VEC n = VROUND(VMUL(x, VSET1(1.44269504088896341f)));
+  x = VFMA(n, VSET1(-0.693359375f), x);
+  x = VFMA(n, VSET1(2.12194440e-4f), x);
+  VEC y = VSET1(1.9875691500e-4f);
+  y = VFMA(y, x, VSET1(1.3981999507e-3f));
+  y = VFMA(y, x, VSET1(8.3334519073e-3f));
+  y = VFMA(y, x, VSET1(4.1665795894e-2f));
+  y = VFMA(y, x, VSET1(1.6666665459e-1f));
+  y = VFMA(y, x, VSET1(5.0000001201e-1f));
+  y = VADD(VFMA(y, VMUL(x, x), x), VSET1(1.0f));
+  return VPOW2(y, n);
+}
+
+/* p[0..n) = e^(p - mx), returning their sum. */
+static inline float exp_sum(float* p, int n, float mx) {
+  VEC s = VZERO, m = VSET1(mx);
+  int t = 0;
+  for (; t + LANES <= n; t += LANES) {
+    VEC e = vexp(VSUB(VLOAD(p + t), m));
+    VSTORE(p + t, e);
+    s = VADD(s, e);
+  }
+  float sum = hsum(s);
+  for (; t < n; t++) { p[t] = expf(p[t] - mx); sum += p[t]; }
+  return sum;
+}
+
 static void rms(const float* x, const float* w, float* out, int n, float eps) {
-  float s = 0;
-  for (int i = 0; i < n; i++) s += x[i] * x[i];
+  float s = dot(x, x, n);
   float r = 1.0f / sqrtf(s / n + eps);
   for (int i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
 }
@@ -95,7 +154,7 @@ void one_row_decode(const Model* M, float* h, const float* cos, const float* sin
     }
     /* Attention: each query head over its KV head's positions 0..pos (heads in parallel
        once the context makes it worth a fork). */
-    #pragma omp parallel for schedule(static) if (span >= 256)
+    #pragma omp parallel for schedule(static) if (span >= 32)
     for (int j = 0; j < H; j++) {
       const float* Kh = M->mir_k + ml + (int64_t)(j / G) * M->mir_cap * D;
       const float* Vh = M->mir_v + ml + (int64_t)(j / G) * M->mir_cap * D;
@@ -103,13 +162,10 @@ void one_row_decode(const Model* M, float* h, const float* cos, const float* sin
       float* pj = p + (int64_t)j * span;
       float mx = -INFINITY;
       for (int t = 0; t < span; t++) {
-        float s = 0;
-        for (int i = 0; i < D; i++) s += qj[i] * Kh[(int64_t)t * D + i];
-        pj[t] = s * scale;
+        pj[t] = dot(qj, Kh + (int64_t)t * D, D) * scale;
         if (pj[t] > mx) mx = pj[t];
       }
-      float sum = 0;
-      for (int t = 0; t < span; t++) { pj[t] = expf(pj[t] - mx); sum += pj[t]; }
+      float sum = exp_sum(pj, span, mx);
       float* oj = o + j * D;
       for (int i = 0; i < D; i++) oj[i] = 0;
       for (int t = 0; t < span; t++) {
