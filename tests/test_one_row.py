@@ -102,3 +102,28 @@ def test_disable_fused_decode_is_a_flag_and_off_by_default():
     from ferroxmp.config import parse_server_args
     assert parse_server_args([]).disable_fused_decode is False
     assert parse_server_args(["--disable-fused-decode"]).disable_fused_decode is True
+
+
+def test_the_avx2_build_gives_the_eager_steps_tokens_too(tiny_models, tmp_path):
+    """On an AVX-512 machine the native build never runs one_row.c's AVX2 lanes (its dot,
+    its exponential, its power of two): a haswell build in a subprocess (its own kernel
+    cache) must pass the same comparison, on qwen3 (q/k norms) with int4 weights."""
+    import os
+    import subprocess
+    import sys
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {tests!r})\n"
+            "from conftest import RunnerHarness\n"
+            "from test_one_row import _drive\n"
+            "kw = dict(page_size=4, max_rows=2, pages_per_row=64, quantization='int4')\n"
+            f"f = RunnerHarness({tiny_models['qwen3']!r}, **kw)\n"
+            f"e = RunnerHarness({tiny_models['qwen3']!r}, fused_decode=False, **kw)\n"
+            "(g, gl, calls), (w, wl, _) = _drive(f), _drive(e)\n"
+            "ok = calls == 7 and g == w and all(bool((a - b).abs().max() <= 1e-4 * b.abs().max())\n"
+            "                                   for a, b in zip(gl, wl))\n"
+            "f.close(); e.close()\n"
+            "print('ok' if ok else f'different: {calls} calls, {g} vs {w}')\n")
+    env = {**os.environ, "FERROXMP_KERNEL_MARCH": "haswell", "FERROXMP_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-2000:]
+    assert os.listdir(tmp_path / "kernels"), "the build was not cached where FERROXMP_CACHE says"
