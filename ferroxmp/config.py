@@ -116,7 +116,8 @@ class ServerArgs:
     quantization: str = _f("auto", "Weights kept compressed on CPU. fp16: float16 weights (FBGEMM). int4: projections "
                            "in int4 groups of 32, embedding and head int8 (a GGUF's Q4_0/Q4_1/Q8_0 kept as stored, "
                            "other block types int8). int8: everything int8 in groups of 32. Activations stay float32 "
-                           "in all three. auto = fp16 for a block-quantized GGUF, none for a Hugging Face folder; none "
+                           "in all three. auto = int4 for a block-quantized GGUF (fp16 without a C compiler or AVX2), none for "
+                           "a Hugging Face folder; none "
                            "= float weights (a GGUF dequantized). Refused on CUDA and with --deterministic.",
                            ["auto", "none", "fp16", "int8", "int4"])
 

@@ -238,7 +238,8 @@ def test_compressed_modes_are_refused_by_name_where_they_cannot_run(tiny_models,
             ServerArgs(quantization=mode, deterministic=True).validate()
         with pytest.raises(QuantizationRefused, match="CPU kernels only"):
             resolve_mode(mode, gguf_of(Q.Q8_0), torch.device("cuda"))
-    assert resolve_mode("auto", gguf_of(Q.Q8_0), CPU) == "fp16"
+    from ferroxmp.gpu_worker.quant.native import available
+    assert resolve_mode("auto", gguf_of(Q.Q8_0), CPU) == ("int4" if available() is None else "fp16")
     assert resolve_mode("auto", gguf_of(Q.Q8_0), CPU, deterministic=True) == "none"
     assert resolve_mode("auto", gguf_of(Q.Q8_0), torch.device("cuda")) == "none"
     assert resolve_mode("auto", tiny_models["llama"], CPU) == "none"

@@ -1,8 +1,9 @@
 """Which weights are kept compressed, in which format, and what they cost in memory.
 
 Modes (--quantization):
-- auto: a GGUF file stored block-quantized (Q4_1, Q6_K...) is kept as fp16 on CPU (the
-  fastest here: docs/BENCHMARKS.md 18); a float GGUF or a Hugging Face folder stays as
+- auto: a GGUF file stored block-quantized (Q4_1, Q6_K...) is kept as int4 on CPU (the
+  fastest and smallest here: docs/BENCHMARKS.md 21; fp16 where the int4 kernels cannot
+  be built); a float GGUF or a Hugging Face folder stays as
   --dtype says; on CUDA, or under --deterministic, everything is float.
 - none: float, a GGUF dequantized at load (the reference path).
 - fp16: weights in float16 through FBGEMM's fp16 GEMM, activations float32.
@@ -63,7 +64,11 @@ def resolve_mode(requested: str, model_path: str, device: torch.device, determin
                 raise QuantizationRefused(f"--quantization {requested}: {why}")
         return requested
     if requested == "auto" and device.type == "cpu" and not deterministic and block_quantized_gguf(model_path):
-        return "fp16"
+        # int4 (the file's Q4 blocks as stored, its Q8_0 as int8, other types int8) is the
+        # fastest on one stream and on 16 users and the smallest (docs/BENCHMARKS.md 21);
+        # fp16 where its kernels cannot be built here.
+        from ferroxmp.gpu_worker.quant.native import available
+        return "int4" if available() is None else "fp16"
     return "none"
 
 
