@@ -37,21 +37,6 @@ SLOW_FILES = {
 # test_crash_leftovers watches one server do; the stall and slow-step tests time pauses
 # and CPU progress against timeouts, which a busy neighbour would stretch.
 SERIAL_FILES = {"test_crash_leftovers.py", "test_stall.py", "test_slow_step.py", "test_liveness.py"}
-# The longest files, longest first (seconds per file in a 2-process run, 2026-12-06):
-# pytest-xdist's --dist loadfile hands files out in collection order, so a long file
-# collected last runs while the other process has nothing left to do. Longest first
-# leaves the short files to even out the end (the parallel part: 400 s in that run).
-# Every file not listed keeps its place after these; a stale order costs time, never a test.
-LONGEST_FIRST = [
-    "test_supervisor.py",  # 72
-    "test_router.py",  # 46
-    "test_deterministic.py",  # 43
-    "test_gpu_check.py",  # 38
-    "test_draft_model.py", "test_default_model.py", "test_tensor_parallel.py",  # 33 each
-    "test_speculative.py", "test_tool_calls.py", "test_gguf.py", "test_kv_tiers_server.py",  # 27-30
-    "test_bench_serving.py", "test_quant_model.py", "test_scheduler_process.py",  # 25-27
-    "test_e2e_openai.py", "test_frontend_http.py", "test_worker_faults.py", "test_browser.py",  # 15-22
-]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -61,8 +46,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if name in SERIAL_FILES:
             item.add_marker(pytest.mark.serial)
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))  # stable
 
 
 @pytest.fixture(scope="session")
