@@ -44,7 +44,7 @@ from ferroxmp.shm_names import remove_dead_segments, segment_name
 
 log = logging.getLogger("ferroxmp.supervisor")
 READY_TIMEOUT_S = 900.0  # model loading on a slow disk
-WATCH_S = 0.2
+WATCH_S = 0.05  # how soon a signal or a dead child is seen (a start or stop waits on it)
 SELF_PAUSE_S = 2.0  # a watch turn this late means the supervisor itself was not running
 DUMP_WAIT_S = 1.0  # time for a stalled child to write its stacks after SIGUSR1
 MODULES = {"worker": "ferroxmp.gpu_worker.worker", "scheduler": "ferroxmp.scheduler.scheduler",

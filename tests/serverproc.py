@@ -71,7 +71,7 @@ class ServerProcess:
                     return
             except requests.RequestException:
                 pass
-            time.sleep(0.3)
+            time.sleep(0.05)  # every test waits here for its server: poll often
         raise TimeoutError(f"server not healthy within {timeout}s:\n{self.log()}")
 
     @property

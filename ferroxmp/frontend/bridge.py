@@ -132,7 +132,7 @@ class Bridge:
         while not self._stop.is_set():
             if self.liveness is not None:
                 self.liveness.beat()
-            if not poller.poll(200):
+            if not poller.poll(50):  # close() joins this thread: a short wait makes a stop quick
                 continue
             try:
                 msg = protocol.decode(self.pull.recv(zmq.NOBLOCK))

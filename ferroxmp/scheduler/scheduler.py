@@ -19,6 +19,7 @@ import zmq
 
 from ferroxmp.config import setup_logging, watch_parent
 from ferroxmp.liveness import Heartbeat
+from ferroxmp.wakeup import drain, wake_on_signals
 from ferroxmp.protocol import (AbortReq, BatchResult, FlushCache, GenerateReq, GrammarReady, KVLoaded, KVTierReport,
                                ProtocolError, Ready, RowOut, Shutdown, TokenOut, decode, encode, endpoints)
 from ferroxmp.page_pool import PagePool
@@ -51,6 +52,7 @@ def run_scheduler(args: dict, run_dir: str, pool_name: str, worker_info: dict) -
     poller.register(from_worker, zmq.POLLIN)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    wake = wake_on_signals(poller)  # SIGTERM ends the poll at once, not at its timeout
     to_supervisor.send(encode(Ready("scheduler", os.getpid(), {})))
     log.info("scheduler ready: %d pages of %d tokens, max %d rows, overlap %s, radix %s",
              pool.num_pages, core.cfg.page_size, pool.max_rows, max_inflight == 2, core.cfg.radix)
@@ -62,6 +64,8 @@ def run_scheduler(args: dict, run_dir: str, pool_name: str, worker_info: dict) -
             wait_ms = max(0, int((last_beat + HEARTBEAT_S - now) * 1000))
             ready = dict(poller.poll(wait_ms))
             now = time.time()
+            if wake in ready:
+                drain(wake)
             if from_frontend in ready:
                 stop["now"] |= _drain_frontend(from_frontend, core, now)
             if from_worker in ready:
