@@ -52,11 +52,11 @@ def _drive(h) -> tuple[list[int], list[torch.Tensor], int]:
     return out0 + out1, logits, len(calls)
 
 
-@pytest.mark.parametrize("mode", ["int4", "int8"])
-@pytest.mark.parametrize("shape", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("shape,mode", [("llama", "int4"), ("qwen2", "int8"), ("qwen3", "int4"), ("qwen3", "int8")])
 def test_a_single_decoding_row_in_one_call_gives_the_eager_steps_tokens_and_logits(tiny_models, make_harness,
                                                                                     shape, mode):
-    """llama (GQA), qwen2 (q/k/v biases), qwen3 (q/k norms); int4 and int8 weights."""
+    """llama (GQA), qwen2 (q/k/v biases), qwen3 (q/k norms); int4 and int8 weights (each
+    kernel beside each optional part)."""
     fused = make_harness(tiny_models[shape], page_size=4, max_rows=2, pages_per_row=64, quantization=mode)
     assert fused.runner.model.one_row is not None
     eager = make_harness(tiny_models[shape], page_size=4, max_rows=2, pages_per_row=64, quantization=mode,
