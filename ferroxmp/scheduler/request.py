@@ -262,24 +262,29 @@ def decoded_many(reqs: list[Request], starts: list[int], tokens: list[int],
     n = 0
     for req, start, token in zip(reqs, starts, tokens):
         req.inflight -= 1  # InFlight named it (core.check_integrity recounts inflight)
-        if start >= req.computed and req.finish_reason != "error":
-            req.computed = start + 1
-        if req.state is not finished:
+        if req.state is not finished:  # (only a finished request can have ended in error)
+            if start >= req.computed:
+                req.computed = start + 1
             ids = req.ids
             m = ids.n
             if m == ids._cap:
                 ids._reserve(1)
-            ids._buf[m] = token
+            ids._mv[m] = token
             ids.n = m + 1
             ids.last = token
             n += 1
             news[req.rid] = req
             if token in req.stops:
                 req.finish("stop")
-            elif ids.n - req.n_prompt >= req.params.max_tokens:
+            elif m + 1 - req.n_prompt >= req.params.max_tokens:
                 req.finish("length")
-        if req.inflight == 0 and (req.state is finished or req.retracting):
-            ended.append(req)  # ended now, or earlier with this token dropped
+            if req.inflight == 0 and (req.state is finished or req.retracting):
+                ended.append(req)
+            continue
+        if start >= req.computed and req.finish_reason != "error":
+            req.computed = start + 1  # ended while this batch was in flight: its token is dropped
+        if req.inflight == 0:
+            ended.append(req)
     return n, ended
 
 
