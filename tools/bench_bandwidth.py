@@ -1,0 +1,40 @@
+"""The machine's read bandwidth, as the bandwidth floor of a decode step uses it: the
+seconds to read N bytes once with every core (torch's sum over a float32 tensor far
+larger than the caches), median of several passes.
+
+    .venv/bin/python tools/bench_bandwidth.py [--gib 1] [--threads N] [--passes 9]
+
+The floor of a batch-1 decode step is (weight bytes read per token) / this figure
+(docs/BENCHMARKS.md 21); nothing but the weights is counted, so it is a lower bound.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--passes", type=int, default=9)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    x = torch.ones(int(a.gib * (1 << 30)) // 4)
+    x.sum()  # fault the pages in
+    ts = []
+    for _ in range(a.passes):
+        t = time.perf_counter()
+        x.sum()
+        ts.append(time.perf_counter() - t)
+    s = statistics.median(ts)
+    print(f"read bandwidth: {x.numel() * 4 / s / 1e9:.1f} GB/s ({a.threads} threads, {a.gib} GiB, "
+          f"median of {a.passes}: {s * 1e3:.1f} ms)")
+
+
+if __name__ == "__main__":
+    main()
