@@ -30,11 +30,11 @@ class TokenIds:
     def __init__(self, ids: Union[np.ndarray, Iterable[int]] = ()) -> None:
         a = np.asarray(ids, dtype=IDS)  # a wire array is already int32: no cast here
         self._buf = np.empty(max(16, 2 * len(a)), dtype=IDS)
-        self._cap = len(self._buf)
+        self._cap = len(self._buf)  # len(_buf), kept as an int for append's check
         self._buf[:len(a)] = a
         self._mv = memoryview(self._buf)  # one id stored through it: a third cheaper than numpy's
         self.n = len(a)
-        self.last = int(a[-1]) if len(a) else None  # the newest id as a Python int (packed_last)
+        self.last = int(a[-1]) if len(a) else None  # the newest id as a Python int (the outbox packs it: PACK1)
 
     @classmethod
     def from_wire(cls, buf: bytes) -> "TokenIds":

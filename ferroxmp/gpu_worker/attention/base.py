@@ -132,6 +132,7 @@ class AttentionBackend:
     attention of every query over its row's visible positions: q [T, H, D], k/v
     [T, KVH, D] in internal order -> [T, H, D]."""
     name = "abstract"
+    mirror = None  # the decode mirror (decode_mirror.py), for a backend that keeps one
 
     def __init__(self, kv, window: Optional[int], num_heads: Optional[int] = None):
         self.kv = kv

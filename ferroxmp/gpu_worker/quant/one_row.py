@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 
 from ferroxmp.gpu_worker.quant.groups import Groups
+from ferroxmp.gpu_worker.quant.native import available, library
+from ferroxmp.gpu_worker.quant.packed import linear
 
 
 class _Lin(ctypes.Structure):
@@ -76,16 +78,13 @@ class OneRowDecode:
     @staticmethod
     def why_not(model, kv, attn) -> Optional[str]:
         """None when the one-call step can run this model on this pool, else the reason."""
-        from ferroxmp.gpu_worker.attention.cpu import TorchBackend
-        from ferroxmp.gpu_worker.quant.native import available
-        from ferroxmp.gpu_worker.quant.packed import linear
         cfg = model.cfg
         weights = [w for L in model.layers for w in (L.w_qkv, L.w_o, L.w_gate_up, L.w_down)]
         if not all(isinstance(w, Groups) for w in weights):
             return "its linear weights are not all int4/int8 groups"
         if cfg.dtype != torch.float32 or kv.dtype != torch.float32 or kv.device.type != "cpu":
             return "it computes in float32 on CPU only"
-        if not isinstance(attn, TorchBackend) or attn.mirror is None or kv.layout != "hnd":
+        if attn.mirror is None or kv.layout != "hnd":
             return "it needs the CPU attention backend with its decode mirror (no sliding window)"
         if model.linear is not linear:
             return "the model's matmuls are replaced (--deterministic)"
@@ -96,7 +95,6 @@ class OneRowDecode:
         why = cls.why_not(model, kv, attn)
         if why is not None:
             return None, why
-        from ferroxmp.gpu_worker.quant.native import library
         return cls(model, kv, library()), None
 
     def __call__(self, h: torch.Tensor, position: int, slot: int, mslot: int, mirror) -> torch.Tensor:
