@@ -12,7 +12,8 @@ import sys
 
 
 def run_avx2(code: str, cache) -> str:
-    env = {**os.environ, "FERROXMP_KERNEL_MARCH": "haswell", "FERROXMP_CACHE": str(cache)}
+    kernels = os.path.join(str(cache), "kernels")
+    env = {**os.environ, "FERROXMP_KERNEL_MARCH": "haswell", "FERROXMP_KERNEL_CACHE": kernels}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert os.listdir(os.path.join(str(cache), "kernels")), "the build was not cached where FERROXMP_CACHE says"
+    assert os.listdir(kernels), "the build was not cached where FERROXMP_KERNEL_CACHE says"
     return out.stdout.strip() + ("" if out.returncode == 0 else "\n" + out.stderr[-2000:])

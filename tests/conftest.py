@@ -20,7 +20,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
+from ferroxmp.gpu_worker.quant.native import cache_dir as kernel_cache_dir
 from ferroxmp.tiny_model import TINY_SHAPES, build_model
+
+# Every server a test starts gets a private FERROXMP_CACHE; the native kernels' build is
+# keyed by its source and shared instead (one build per session, not one per server start).
+os.environ.setdefault("FERROXMP_KERNEL_CACHE", kernel_cache_dir())
 
 # Files whose tests start real servers, load the shipped model or build and run whole
 # tools (over 5 s a file, most of the suite's time). The edit loop skips them with

@@ -52,11 +52,12 @@ def _drive(h) -> tuple[list[int], list[torch.Tensor], int]:
     return out0 + out1, logits, len(calls)
 
 
-@pytest.mark.parametrize("shape,mode", [("llama", "int4"), ("qwen2", "int8"), ("qwen3", "int4"), ("qwen3", "int8")])
+@pytest.mark.parametrize("shape,mode", [("llama", "int4"), ("qwen2", "int8"), ("qwen3", "int4"), ("qwen3", "int8"),
+                                        ("qwen2", "none"), ("qwen3", "none")])
 def test_a_single_decoding_row_in_one_call_gives_the_eager_steps_tokens_and_logits(tiny_models, make_harness,
                                                                                     shape, mode):
-    """llama (GQA), qwen2 (q/k/v biases), qwen3 (q/k norms); int4 and int8 weights (each
-    kernel beside each optional part)."""
+    """llama (GQA), qwen2 (q/k/v biases), qwen3 (q/k norms); int4, int8 and float32
+    weights (each kernel beside each optional part)."""
     fused = make_harness(tiny_models[shape], page_size=4, max_rows=2, pages_per_row=64, quantization=mode)
     assert fused.runner.model.one_row is not None
     eager = make_harness(tiny_models[shape], page_size=4, max_rows=2, pages_per_row=64, quantization=mode,
@@ -90,9 +91,15 @@ def test_the_real_model_answers_the_same_in_one_call(make_harness):
 
 
 def test_where_it_cannot_run_the_step_stays_eager_and_says_why(tiny_models, make_harness):
-    float_w = make_harness(tiny_models["llama"], quantization="none")
-    assert float_w.runner.model.one_row is None
-    assert "int4/int8" in OneRowDecode.why_not(float_w.runner.model, float_w.runner.kv, float_w.runner.attn)
+    fp16 = make_harness(tiny_models["llama"], quantization="fp16")  # FBGEMM's packed float16
+    assert fp16.runner.model.one_row is None
+    assert "float32 rows" in OneRowDecode.why_not(fp16.runner.model, fp16.runner.kv, fp16.runner.attn)
+    bf16 = make_harness(tiny_models["llama"], quantization="none", dtype="bfloat16")
+    assert bf16.runner.model.one_row is None
+    assert "float32 rows" in OneRowDecode.why_not(bf16.runner.model, bf16.runner.kv, bf16.runner.attn)
+    det = make_harness(tiny_models["llama"], quantization="none", deterministic=True)
+    assert det.runner.model.one_row is None
+    assert "--deterministic" in OneRowDecode.why_not(det.runner.model, det.runner.kv, det.runner.attn)
     window = make_harness(tiny_models["mistral"], quantization="int4")  # a sliding window: no decode mirror
     assert window.runner.model.one_row is None
     assert "mirror" in OneRowDecode.why_not(window.runner.model, window.runner.kv, window.runner.attn)
@@ -107,20 +114,24 @@ def test_disable_fused_decode_is_a_flag_and_off_by_default():
 def test_the_avx2_build_gives_the_eager_steps_tokens_too(tiny_models, tmp_path):
     """On an AVX-512 machine the native build never runs one_row.c's AVX2 lanes (its dot,
     its exponential, its power of two): a haswell build in a subprocess (its own kernel
-    cache) must pass the same comparison, on qwen3 (q/k norms) with int4 weights."""
+    cache) must pass the same comparison, on qwen3 (q/k norms) with int4 and float32
+    weights."""
     import os
     from avx2_build import run_avx2
     tests = os.path.dirname(os.path.abspath(__file__))
     code = (f"import sys; sys.path.insert(0, {tests!r})\n"
             "from conftest import RunnerHarness\n"
             "from test_one_row import _drive\n"
-            "kw = dict(page_size=4, max_rows=2, pages_per_row=64, quantization='int4')\n"
-            f"f = RunnerHarness({tiny_models['qwen3']!r}, **kw)\n"
-            f"e = RunnerHarness({tiny_models['qwen3']!r}, fused_decode=False, **kw)\n"
-            "(g, gl, calls), (w, wl, _) = _drive(f), _drive(e)\n"
-            "ok = calls == 7 and g == w and all(bool((a - b).abs().max() <= 1e-4 * b.abs().max())\n"
-            "                                   for a, b in zip(gl, wl))\n"
-            "f.close(); e.close()\n"
-            "print('ok' if ok else f'different: {calls} calls, {g} vs {w}')\n")
+            "bad = []\n"
+            "for mode in ('int4', 'none'):\n"
+            "    kw = dict(page_size=4, max_rows=2, pages_per_row=64, quantization=mode)\n"
+            f"    f = RunnerHarness({tiny_models['qwen3']!r}, **kw)\n"
+            f"    e = RunnerHarness({tiny_models['qwen3']!r}, fused_decode=False, **kw)\n"
+            "    (g, gl, calls), (w, wl, _) = _drive(f), _drive(e)\n"
+            "    if not (calls == 7 and g == w and all(bool((a - b).abs().max() <= 1e-4 * b.abs().max())\n"
+            "                                          for a, b in zip(gl, wl))):\n"
+            "        bad.append(f'{mode}: {calls} calls, {g} vs {w}')\n"
+            "    f.close(); e.close()\n"
+            "print(bad or 'ok')\n")
     out = run_avx2(code, tmp_path)
     assert out.endswith("ok"), out

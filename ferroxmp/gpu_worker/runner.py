@@ -138,7 +138,7 @@ class ModelRunner:
             self.model.one_row, why = None, "--tp"  # each rank holds a shard: the all-reduce is torch's
         else:
             self.model.one_row, why = OneRowDecode.build(self.model, self.kv, self.attn)
-        if self.quantization in ("int4", "int8"):
+        if self.device.type == "cpu":
             log.info("one-row decode step: %s", "fused (one native call)" if why is None else f"eager ({why})")
         log.info("memory: %s", describe_bytes(self.model.weight_bytes(), self.kv.nbytes))
         return self

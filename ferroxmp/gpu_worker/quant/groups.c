@@ -137,6 +137,7 @@ static inline __attribute__((always_inline)) void block(int K, const float* x, i
       const uint8_t* qg = q + ((int64_t)(n + j) * G + g) * gbytes;
       _mm_prefetch((const char*)qg + PREFETCH, _MM_HINT_T0);
       unpack(qg, w[j]);
+      if (!d) continue;  /* float32 rows (f32_mm): the values as they are */
       VEC dg = VSET1(h2f(d[(int64_t)(n + j) * G + g]));
       if (m) {
         VEC mg = VSET1(h2f(m[(int64_t)(n + j) * G + g]));
@@ -230,4 +231,17 @@ void int8_dequant(int N, int K, const int8_t* q, const uint16_t* d, float* out) 
       VEC dg = VSET1(h2f(d[(int64_t)n * G + g]));
       for (int v = 0; v < NV; v++) VSTORE(out + (int64_t)n * K + g * 32 + v * LANES, VMUL(w[v], dg));
     }
+}
+
+/* Float32 weights (out[N, K], K a multiple of 32) through the same blocks, a group's values
+   loaded as they are: one_row.c's step over float32 weights (at batch 1, the same read
+   rate as torch's F.linear; for 2-32 rows this measured no faster than torch's GEMM,
+   docs/BENCHMARKS.md 22, so the batched path keeps F.linear). */
+static inline void f32_unpack(const uint8_t* qb, VEC w[NV]) {
+  for (int v = 0; v < NV; v++) w[v] = VLOAD((const float*)qb + v * LANES);
+}
+
+void f32_mm(int M, int N, int K, const float* x, const float* w, float* y) {
+  #pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; n += NSTEP) rows_times(n, M, N, K, x, (const uint8_t*)w, 128, (unpack_fn)f32_unpack, 0, 0, y);
 }

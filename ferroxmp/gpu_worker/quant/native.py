@@ -6,9 +6,9 @@ so --quantization int4/int8 is refused by name instead of failing in a step.
 
 Why a compile at first use and not a wheel: the kernels are built for the CPU they run on
 (-march=native: AVX-512 where it exists), and a C file builds in about a second with
-no torch headers. The library is cached under $FERROXMP_CACHE (default
-~/.cache/ferroxmp)/kernels, keyed by the source, the flags and the CPU's flags, and
-written by rename so that concurrent workers never load half a file.
+no torch headers. The library is cached in `cache_dir()`, keyed by the source, the flags
+and the CPU's flags, and written by rename so that concurrent workers never load half a
+file.
 """
 from __future__ import annotations
 
@@ -45,6 +45,11 @@ def _cpu_flags() -> set[str]:
 
 
 def cache_dir() -> str:
+    """$FERROXMP_KERNEL_CACHE, else $FERROXMP_CACHE/kernels (default ~/.cache/ferroxmp/kernels).
+    Its own variable so that processes with private caches (each test's server) can still
+    share one build: a build costs ~1-2 s of both cores."""
+    if os.environ.get("FERROXMP_KERNEL_CACHE"):
+        return os.environ["FERROXMP_KERNEL_CACHE"]
     root = os.environ.get("FERROXMP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ferroxmp")
     return os.path.join(root, "kernels")
 
@@ -82,7 +87,7 @@ def library() -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     lib = ctypes.CDLL(path)
-    for name in ("int4_mm", "int8_mm", "int4_dequant", "int8_dequant", "one_row_decode"):
+    for name in ("int4_mm", "int8_mm", "int4_dequant", "int8_dequant", "f32_mm", "one_row_decode"):
         getattr(lib, name).restype = None
     return lib
 

@@ -1,12 +1,13 @@
 /* One decode row through every layer in one call: the batch-1 step of a model whose
-   linear weights are all groups of 32 (int4/int8, groups.c), float32 activations.
+   linear weights are groups of 32 (int4/int8, groups.c) or float32, float32 activations.
 
    Why: at batch 1 the eager step is ~600 small torch ops between the matmuls, each a
    few microseconds of dispatch; on SmolLM2 int4 they cost about as much as the matmuls
    themselves (docs/BENCHMARKS.md 21). Here the glue between the matmuls (RMSNorm, RoPE,
    q/k norms, the KV writes, attention over the row's contiguous K/V, SiLU-mul, the
    residual adds) is a few loops over a few thousand floats, and the matmuls are
-   groups.c's one-row kernels (OpenMP over output rows).
+   groups.c's one-row kernels (OpenMP over output rows). For float32 weights the same
+   ~2 ms of glue per step is what stands between the eager step and the bandwidth floor.
 
    Numerics follow models/llama.py in float32 (RMSNorm: x * rsqrt(mean(x^2) + eps), then
    the weight; RoPE: x * cos + rotate_half(x) * sin; softmax scale head_dim ** -0.5); sums
@@ -22,7 +23,7 @@
 #include "groups.c"
 
 typedef struct {
-  const uint8_t* q; const uint16_t* d; const uint16_t* m;  /* m NULL: int8 */
+  const uint8_t* q; const uint16_t* d; const uint16_t* m;  /* m NULL: int8; d NULL: q is float32 */
   const float* bias;  /* NULL: none */
   int n, k;
 } Lin;
@@ -43,7 +44,8 @@ typedef struct {
 } Model;
 
 static void lin(const Lin* w, const float* x, float* y, float* xs) {
-  if (w->m) int4_mm(1, w->n, w->k, x, w->q, w->d, w->m, xs, y);
+  if (!w->d) f32_mm(1, w->n, w->k, x, (const float*)w->q, y);
+  else if (w->m) int4_mm(1, w->n, w->k, x, w->q, w->d, w->m, xs, y);
   else int8_mm(1, w->n, w->k, x, (const int8_t*)w->q, w->d, y);
   if (w->bias) for (int i = 0; i < w->n; i++) y[i] += w->bias[i];
 }

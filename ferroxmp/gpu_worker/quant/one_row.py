@@ -1,8 +1,9 @@
 """OneRowDecode: a decode step of exactly one row, through every layer in one native call.
 
-Job: for a model whose linear weights are all Groups (--quantization int4/int8, or a
-Q4/Q8 GGUF), computing in float32 on CPU, run the batch-1 decode step (the single
-stream's every token) as `one_row.c`'s `one_row_decode` instead of ~600 eager torch ops.
+Job: for a model whose linear weights are Groups (--quantization int4/int8, or a Q4/Q8
+GGUF) or float32 tensors, computing in float32 on CPU, run the batch-1 decode step (the
+single stream's every token) as `one_row.c`'s `one_row_decode` instead of ~600 eager torch
+ops.
 `build` says why not when it cannot (the model then runs eagerly, as before); `__call__`
 takes the row's embedding and returns its final hidden state, having written the step's
 K/V to the pool and the decode mirror as the eager path does.
@@ -10,7 +11,7 @@ K/V to the pool and the decode mirror as the eager path does.
 Invariants: the weights, norms and pool never move after `build` (their addresses are
 kept in one ctypes struct); the mirror may (it grows), so its address is set per call.
 Used only where the eager path's results are not required to the bit: never under
---deterministic (which refuses int4/int8 anyway) or --tp.
+--deterministic (its batch-invariant matmuls replace model.linear) or --tp.
 """
 from __future__ import annotations
 
@@ -54,9 +55,21 @@ def _float32(t: Optional[torch.Tensor], keep: list) -> Optional[int]:
     return t.data_ptr()
 
 
-def _lin(w: Groups, bias: Optional[torch.Tensor], keep: list) -> _Lin:
+def _lin(w, bias: Optional[torch.Tensor], keep: list) -> _Lin:
+    """Groups, or a float32 tensor (d NULL tells one_row.c which)."""
     n, k = w.shape
+    if isinstance(w, torch.Tensor):
+        return _Lin(_float32(w, keep), None, None, _float32(bias, keep), n, k)
     return _Lin(_addr(w.q), _addr(w.d), _addr(w.m), _float32(bias, keep), n, k)
+
+
+def _fits(w) -> bool:
+    """A weight one_row.c multiplies: int4/int8 groups, or float32 rows of whole groups of
+    32 values on CPU (f32_mm's blocks)."""
+    if isinstance(w, Groups):
+        return True
+    return (isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == "cpu"
+            and w.is_contiguous() and w.shape[1] % 32 == 0)
 
 
 class OneRowDecode:
@@ -80,14 +93,14 @@ class OneRowDecode:
         """None when the one-call step can run this model on this pool, else the reason."""
         cfg = model.cfg
         weights = [w for L in model.layers for w in (L.w_qkv, L.w_o, L.w_gate_up, L.w_down)]
-        if not all(isinstance(w, Groups) for w in weights):
-            return "its linear weights are not all int4/int8 groups"
+        if not all(_fits(w) for w in weights):
+            return "its linear weights are not all int4/int8 groups or float32 rows of whole groups of 32"
         if cfg.dtype != torch.float32 or kv.dtype != torch.float32 or kv.device.type != "cpu":
             return "it computes in float32 on CPU only"
-        if attn.mirror is None or kv.layout != "hnd":
-            return "it needs the CPU attention backend with its decode mirror (no sliding window)"
         if model.linear is not linear:
             return "the model's matmuls are replaced (--deterministic)"
+        if attn.mirror is None or kv.layout != "hnd":
+            return "it needs the CPU attention backend with its decode mirror (no sliding window)"
         return available()
 
     @classmethod
