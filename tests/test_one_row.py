@@ -8,7 +8,8 @@ within a bound (float32 rounding over a few thousand terms, amplified by 2-4 lay
 1e-4 of the logits' scale) and greedy tokens must be equal. The K/V it writes are
 checked by what later steps read: a row that sits out a step leaves the decode mirror
 and is refilled from the pool (so a missing pool write would change its tokens), and a
-batched step reads the mirror the fused steps wrote.
+batched step reads the mirror the fused steps wrote (with float32 weights, its two rows
+through f32_mm: small_rows_linear, against torch's GEMM in the eager runner).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from ferroxmp.gpu_worker.quant.one_row import OneRowDecode
+from ferroxmp.gpu_worker.quant.packed import linear, small_rows_linear
 from ferroxmp.protocol import RowStep, SamplingParams, unpack_ids
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -63,6 +65,8 @@ def test_a_single_decoding_row_in_one_call_gives_the_eager_steps_tokens_and_logi
     eager = make_harness(tiny_models[shape], page_size=4, max_rows=2, pages_per_row=64, quantization=mode,
                          fused_decode=False)
     assert eager.runner.model.one_row is None
+    if mode == "none":  # the two rows' steps: f32_mm against torch's GEMM
+        assert fused.runner.model.linear is small_rows_linear and eager.runner.model.linear is linear
     got, got_logits, calls = _drive(fused)
     want, want_logits, _ = _drive(eager)
     assert calls == 7, "the single-row steps did not take the one-call path"

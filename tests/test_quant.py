@@ -136,13 +136,51 @@ def test_a_weight_whose_rows_no_block_divides_multiplies_within_the_bound(fmt):
     _check_matmul(g, g.dequantize(), fmt)
 
 
+def _f32_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A float32 sum of K products in any order is within K * 2^-24 * sum|terms| of the
+    exact sum (doubled for the bias and the final rounding)."""
+    return 2 * (w.shape[1] + 1) * 2.0 ** -24 * (x.abs() @ w.abs().T + b.abs()).double()
+
+
+def test_float32_weights_times_2_to_16_rows_go_through_f32_mm_within_float_rounding(monkeypatch):
+    """small_rows_linear (the runner's model.linear for float32 on CPU): 2-16 rows through
+    groups.c's f32_mm, against the float64 product; a weight of 99 rows (the tail path).
+    1 and 17 rows, and a K that is not a multiple of 32, stay F.linear's, to the bit."""
+    from ferroxmp.gpu_worker.quant import packed
+    calls = []
+
+    class Counting:
+        def __init__(self, lib):
+            self.lib = lib
+
+        def f32_mm(self, *a):
+            calls.append(a[0])
+            return self.lib.f32_mm(*a)
+    native = packed.library()
+    monkeypatch.setattr(packed, "library", lambda: Counting(native))
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(99, 320, generator=g), torch.randn(99, generator=g)
+    for rows in (2, 3, 5, 8, 9, 13, 16):
+        x = torch.randn(rows, 320, generator=g)
+        exact = F.linear(x.double(), w.double(), b.double())
+        assert ((packed.small_rows_linear(x, w, b).double() - exact).abs() <= _f32_bound(x, w, b)).all(), rows
+    assert calls == [2, 3, 5, 8, 9, 13, 16]
+    for rows in (1, 17):
+        x = torch.randn(rows, 320, generator=g)
+        assert torch.equal(packed.small_rows_linear(x, w, b), F.linear(x, w, b))
+    x, w2 = torch.randn(4, 100, generator=g), torch.randn(99, 100, generator=g)
+    assert torch.equal(packed.small_rows_linear(x, w2, b), F.linear(x, w2, b))
+    assert calls == [2, 3, 5, 8, 9, 13, 16]
+
+
 def test_the_avx2_build_of_the_kernels_computes_what_the_native_one_does(tmp_path):
     """On an AVX-512 machine the native build never runs the AVX2 code; a haswell build
     in a subprocess (its own cache) must meet the same bounds at 1, 3, 13 and 40 rows, on
-    a weight of 99 rows (not a multiple of the rows a block takes)."""
+    a weight of 99 rows (not a multiple of the rows a block takes); f32_mm too."""
     from avx2_build import run_avx2
     code = ("import torch, torch.nn.functional as F\n"
             "from ferroxmp.gpu_worker.quant import Groups\n"
+            "from ferroxmp.gpu_worker.quant.packed import small_rows_linear\n"
             "torch.manual_seed(0)\n"
             "for fmt in ('int4', 'int8'):\n"
             "    g = Groups.quantize(torch.randn(99, 320), fmt); w = g.dequantize()\n"
@@ -150,6 +188,12 @@ def test_the_avx2_build_of_the_kernels_computes_what_the_native_one_does(tmp_pat
             "        x = torch.randn(rows, 320)\n"
             "        bound = 16 * 320 * 2.0 ** -24 * (x.abs() @ w.abs().T + x.abs().sum(1, keepdim=True))\n"
             "        assert ((g(x) - F.linear(x, w)).abs() <= bound).all(), (fmt, rows)\n"
+            "w, b = torch.randn(99, 320), torch.randn(99)\n"
+            "for rows in (3, 13):\n"
+            "    x = torch.randn(rows, 320)\n"
+            "    err = (small_rows_linear(x, w, b).double() - F.linear(x.double(), w.double(), b.double())).abs()\n"
+            "    bound = 2 * 321 * 2.0 ** -24 * (x.abs() @ w.abs().T + b.abs()).double()\n"
+            "    assert (err <= bound).all(), ('float32', rows)\n"
             "print('ok')\n")
     out = run_avx2(code, tmp_path)
     assert out == "ok", out

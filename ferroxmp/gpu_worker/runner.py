@@ -38,7 +38,9 @@ from ferroxmp.gpu_worker.loader import ModelConfig, load_config, load_weights, r
 from ferroxmp.gpu_worker.models import build_model
 from ferroxmp.gpu_worker.pooling import MODES as POOLING_MODES, Pooled, normed
 from ferroxmp.gpu_worker.quant import describe_bytes, resolve_mode
+from ferroxmp.gpu_worker.quant.native import available as native_available
 from ferroxmp.gpu_worker.quant.one_row import OneRowDecode
+from ferroxmp.gpu_worker.quant.packed import small_rows_linear
 from ferroxmp.gpu_worker.sampling.sampler import RowSample, logprobs_of, sample, sample_rows
 
 if TYPE_CHECKING:  # llguidance (grammar.py) loads on the first constrained request
@@ -95,6 +97,9 @@ class ModelRunner:
             from ferroxmp.gpu_worker.batch_invariant import make_deterministic
             make_deterministic(self.model)
             attention = "det"
+        elif fused_decode and self.device.type == "cpu" and self.config.dtype == torch.float32 \
+                and native_available() is None:
+            self.model.linear = small_rows_linear  # a batch of 2-16 decode rows through f32_mm (quant/packed.py)
         self.page_size = page_size
         self._shape, self._attention = shape, attention
         # --draft-model: its own weights, KV (in this pool's pages) and backend (draft_model.py)

@@ -23,7 +23,7 @@ import torch
 
 from ferroxmp.gpu_worker.quant.groups import Groups
 from ferroxmp.gpu_worker.quant.native import available, library
-from ferroxmp.gpu_worker.quant.packed import linear
+from ferroxmp.gpu_worker.quant.packed import linear, small_rows_linear
 
 
 class _Lin(ctypes.Structure):
@@ -97,7 +97,7 @@ class OneRowDecode:
             return "its linear weights are not all int4/int8 groups or float32 rows of whole groups of 32"
         if cfg.dtype != torch.float32 or kv.dtype != torch.float32 or kv.device.type != "cpu":
             return "it computes in float32 on CPU only"
-        if model.linear is not linear:
+        if model.linear not in (linear, small_rows_linear):
             return "the model's matmuls are replaced (--deterministic)"
         if attn.mirror is None or kv.layout != "hnd":
             return "it needs the CPU attention backend with its decode mirror (no sliding window)"

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ferroxmp.gpu_worker.quant.native import library
 
 
 class PackedF16:
@@ -65,3 +66,28 @@ def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -> torch.Ten
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
     return w(x, bias)
+
+
+# Activation rows for which float32 weights go through groups.c's f32_mm instead of
+# torch's GEMM: a batch of decode rows. MKL's small-M path reads the LM head at half the
+# rate f32_mm does at 4-8 rows (docs/BENCHMARKS.md 22); from ~24 rows on the GEMM wins.
+SMALL_ROWS = (2, 16)
+
+
+def small_rows_linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`linear`, with a float32 CPU weight times 2-16 rows through f32_mm. The runner
+    installs it as model.linear where the native kernels load (never --deterministic:
+    a row's sum order here depends on how many rows the step has)."""
+    if isinstance(w, torch.Tensor) and w.dtype == torch.float32 and x.dtype == torch.float32:
+        n, k = w.shape
+        m = x.numel() // k
+        if SMALL_ROWS[0] <= m <= SMALL_ROWS[1] and k % 32 == 0 and w.is_contiguous() and w.device.type == "cpu":
+            import ctypes
+            x2 = x.reshape(m, k).contiguous()
+            y = torch.empty(m, n)
+            library().f32_mm(m, n, k, ctypes.c_void_p(x2.data_ptr()), ctypes.c_void_p(w.data_ptr()),
+                             ctypes.c_void_p(y.data_ptr()))
+            if bias is not None:
+                y += bias
+            return y.reshape(*x.shape[:-1], n)
+    return linear(x, w, bias)
