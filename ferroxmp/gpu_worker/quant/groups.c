@@ -235,8 +235,9 @@ void int8_dequant(int N, int K, const int8_t* q, const uint16_t* d, float* out) 
 
 /* Float32 weights (out[N, K], K a multiple of 32) through the same blocks, a group's values
    loaded as they are: one_row.c's step over float32 weights (at batch 1, the same read
-   rate as torch's F.linear; for 2-32 rows this measured no faster than torch's GEMM,
-   docs/BENCHMARKS.md 22, so the batched path keeps F.linear). */
+   rate as torch's F.linear) and packed.small_rows_linear's 2-16 rows, where MKL's small-M
+   GEMM read the LM head at half this rate; past 16 rows MKL's blocking wins
+   (docs/BENCHMARKS.md 22). */
 static inline void f32_unpack(const uint8_t* qb, VEC w[NV]) {
   for (int v = 0; v < NV; v++) w[v] = VLOAD((const float*)qb + v * LANES);
 }
