@@ -430,3 +430,38 @@ def test_kv_sizing_failures_name_layers_context_kv_heads_head_dim_and_dtype_byte
     with caplog.at_level("WARNING", logger="ferroxmp.kv_pool"):  # 3 pages: serves, short of one context
         assert pages_for_budget(cfg, 16, torch.float32, None, 3 * per_page / 2**30, 0.9, torch.device("cpu")) == 3
     assert f"{cfg.max_position_embeddings} tokens x {cfg.num_kv_heads} kv heads" in caplog.text, caplog.text
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_cpu_kv_pool_is_resident_only_where_written_and_refused_past_available_memory(tiny_models):
+    """The CPU pool is an anonymous mapping: a 2 GiB pool costs (almost) no resident memory
+    until pages are written, reads as zeros, grows by what is written, and a pool past the
+    machine's MemAvailable is refused at start with its sizing (not killed under load)."""
+    from ferroxmp.gpu_worker.kv.pool import KVPool, available_memory
+    cfg = load_config(tiny_models["llama"])
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    pages = (2 << 30) // (per_token * 16)
+    before = _resident_bytes()
+    kv = KVPool.for_model(cfg, pages, 16, torch.float32, torch.device("cpu"), layout="hnd")
+    assert kv.nbytes >= 1.9 * 2**30
+    assert _resident_bytes() - before < 64 << 20, (_resident_bytes() - before) / 2**20
+    assert not kv.k[:, :, -1000:].any() and not kv.v[:, :, :1000].any()  # zeros where never written
+    written = 256 << 20  # a quarter GiB of pages, K and V
+    n = written // per_token // 16
+    for p in range(n):
+        kv.fill_page(p, 1.5)
+    grown = _resident_bytes() - before
+    assert 0.9 * written < grown < written + (96 << 20), grown / 2**20
+    assert float(kv.k[0, 0, 0, 0]) == 1.5 and not kv.k[:, :, n * 16:].any()
+    kv.check_integrity()
+    del kv
+    avail = available_memory()
+    assert avail is not None
+    too_many = avail // (per_token * 16) + 16  # just past what the machine can hold
+    with pytest.raises(RuntimeError) as e:
+        KVPool.for_model(cfg, too_many, 16, torch.float32, torch.device("cpu"))
+    assert "MemAvailable" in str(e.value) and f"{too_many * 16} tokens" in str(e.value), str(e.value)

@@ -19,6 +19,8 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -34,6 +36,32 @@ def kv_sizing(layers: int, tokens: int, kv_heads: int, head_dim: int, itemsize: 
     total = 2 * layers * tokens * kv_heads * head_dim * itemsize  # Python ints: no overflow
     return (f"2 (K, V) x {layers} layers x {tokens} tokens x {kv_heads} kv heads x {head_dim} head_dim x "
             f"{itemsize} bytes = {total / 2**30:.3g} GiB")
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on CPU an anonymous mapping, whose pages the kernel supplies as zeros
+    when first touched: a pool sized for --kv-cache-gb costs resident memory only for the
+    pages the load has written (torch.zeros writes every byte at start)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # The tensor keeps the mapping alive (frombuffer holds the buffer); no file behind it.
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+
+
+def available_memory() -> Optional[int]:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 @dataclass
@@ -56,9 +84,15 @@ class KVPool:
         # Zeros, not empty: a padded read of a never-written slot must be finite, or a
         # masked-out NaN would still poison softmax (0 * NaN).
         try:
-            self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            # Written lazily on CPU (zeros()), so the machine's memory is checked here, not
+            # by the OOM killer under load once the pages fill.
+            available = available_memory() if self.device.type == "cpu" else None
+            if available is not None and self.bytes_for(shape) > available:
+                raise MemoryError(f"{self.bytes_for(shape) / 2**30:.3g} GiB asked, the machine has "
+                                  f"{available / 2**30:.3g} GiB available (MemAvailable)")
+            self.k = zeros(shape, self.dtype, self.device)
+            self.v = zeros(shape, self.dtype, self.device)
+        except (RuntimeError, MemoryError, OSError) as e:  # torch.OutOfMemoryError is a RuntimeError
             itemsize = torch.empty((), dtype=self.dtype).element_size()
             sized = kv_sizing(self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim, itemsize)
             raise RuntimeError(f"cannot allocate the KV pool on {self.device} ({self.num_pages} pages of "
@@ -75,6 +109,9 @@ class KVPool:
         if self.layout == "hnd":
             return (self.num_layers, self.num_kv_heads, self.num_slots, self.head_dim)
         return (self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
+
+    def bytes_for(self, shape: tuple[int, ...]) -> int:
+        return 2 * math.prod(shape) * torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def num_slots(self) -> int:
