@@ -34,6 +34,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from ferroxmp.gpu_worker.kv.pool import zeros
+
 GROW = 64  # positions added per reallocation: a copy of the mirror every 64 steps at most
 
 
@@ -84,9 +86,10 @@ class DecodeMirror:
 
     def _grow(self, slots: int, cap: int) -> None:
         # Zeros: positions past a row's length are masked, and a masked NaN would still
-        # poison the softmax (0 * NaN).
-        k = torch.zeros(self.num_layers, slots, self.kv_heads, cap, self.head_dim, dtype=self.dtype, device=self.device)
-        v = torch.zeros_like(k)
+        # poison the softmax (0 * NaN). Lazy on CPU (kv.pool.zeros): slots and positions
+        # no row has reached cost no resident memory.
+        shape = (self.num_layers, slots, self.kv_heads, cap, self.head_dim)
+        k, v = zeros(shape, self.dtype, self.device), zeros(shape, self.dtype, self.device)
         n, c = len(self.rows), min(self.cap, cap)  # a smaller cap still holds every kept row
         if n:
             k[:, :n, :, :c] = self.k[:, :n, :, :c]
