@@ -23,7 +23,6 @@ Invariants:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import math
@@ -62,16 +61,6 @@ log = logging.getLogger("ferroxmp.worker")
 POLL_MS = 500
 
 
-
-def trim_heap() -> None:
-    """Give the heap's free pages back to the kernel (glibc's malloc_trim). Loading frees
-    far more than it keeps (a checkpoint's tensors read, converted, packed): glibc holds
-    the freed pages in the heap (~140 MB for SmolLM2 as int4) unless asked, and they
-    would stay resident for the server's life."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to ask
-        pass
 
 def _on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)
@@ -120,7 +109,6 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
         if leader is not None:
             leader.attach(runner.attn)  # waits until every rank loaded its shard (then they attach the pool)
         runner.faults = faults.from_env()
-        trim_heap()
         if runner.device.type == "cuda":
             log.info("%s", after_load(runner.device))
         ends = protocol.endpoints(run_dir)
