@@ -61,7 +61,6 @@ log = logging.getLogger("ferroxmp.worker")
 POLL_MS = 500
 
 
-
 def _on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
