@@ -1,4 +1,4 @@
-"""Run test code against the AVX2 build of the native kernels (groups.c, one_row.c).
+"""Run test code against the AVX2 build of the native kernels (groups.c, fused_decode.c).
 
 On an AVX-512 machine the native build never runs the AVX2 lanes: `run_avx2(code,
 cache)` runs `code` in a subprocess whose kernels are built with -march=haswell into

@@ -211,7 +211,7 @@ section_quant() {  # issue 30: one server at a time on the same GGUF, per --quan
              --input-len 64 --output-len 64 --seed 30)
     local mode pids flags
     # QUANT_MODES: which servers (default all); "<mode>-eager" adds --disable-fused-decode
-    # (the single row's step as eager torch ops instead of quant/one_row.c's one call)
+    # (decode steps as eager torch ops instead of quant/fused_decode.c's one call)
     for mode in ${QUANT_MODES:-none fp16 int8 int4 int4-eager}; do
         flags=(--quantization "${mode%-eager}")
         [[ $mode == *-eager ]] && flags+=(--disable-fused-decode)

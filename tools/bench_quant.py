@@ -9,7 +9,9 @@ against the dequantized float), `_weight_int8pack_mm` (int8 weights, one scale p
 row, float activations), FBGEMM's `quantized::linear_dynamic_fp16` (fp16 weights, float32
 activations), `quantized::linear_dynamic` (int8 weights per row AND activations
 quantized to uint8 per call: W8A8), and ferroxmp's own groups of 32 (quant/groups.c,
-float32 activations: `grp-int4` = GGUF Q4_1's layout, `grp-int8` = Q8_0's). Each cell is the median of `repeats` rounds; the kernels alternate
+float32 activations: `grp-int4` = GGUF Q4_1's layout, `grp-int8` = Q8_0's; `grp-f32`:
+float32 weights through the same blocks, f32_mm, what packed.small_rows_linear calls at
+2-16 rows). Each cell is the median of `repeats` rounds; the kernels alternate
 inside a round so that load from other processes hits them alike. Prints one table
 (ms per call and the speed-up over float32). On a shared box, label the figures
 contaminated.
@@ -24,6 +26,7 @@ threads: compare with --threads set to the same number.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import statistics
@@ -52,13 +55,20 @@ def kernels(n: int, k: int, group: int = 32):
     fb8 = torch.ops.quantized.linear_prepack(qw, None)
     fb16 = torch.ops.quantized.linear_prepack_fp16(w, None)
     from ferroxmp.gpu_worker.quant import Groups
+    from ferroxmp.gpu_worker.quant.native import library
     g4, g8 = Groups.quantize(w, "int4"), Groups.quantize(w, "int8")
+    lib = library()
+
+    def grp_f32(x: torch.Tensor) -> torch.Tensor:  # float32 weights through groups.c (f32_mm)
+        y = torch.empty(x.shape[0], n)
+        lib.f32_mm(x.shape[0], n, k, *(ctypes.c_void_p(t.data_ptr()) for t in (x, w, y)))
+        return y
     return {"f32": lambda x: F.linear(x, w),
             "int8": lambda x: torch.ops.aten._weight_int8pack_mm(x, q8, s8),
             "int4": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz),
             "fb-fp16": lambda x: torch.ops.quantized.linear_dynamic_fp16(x, fb16),
             "fb-w8a8": lambda x: torch.ops.quantized.linear_dynamic(x, fb8, True),
-            "grp-int4": g4, "grp-int8": g8}
+            "grp-int4": g4, "grp-int8": g8, "grp-f32": grp_f32}
 
 
 GGML_OP_MUL_MAT, GGML_F32 = 29, 0  # enum values in ggml.h of llama-cpp-python 0.3.36's tree
@@ -109,7 +119,7 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     print(f"threads={a.threads} repeats={a.repeats} (median ms per call; x = speed-up over f32)")
-    names = ["f32", "int8", "int4", "fb-fp16", "fb-w8a8", "grp-int4", "grp-int8"]
+    names = ["f32", "int8", "int4", "fb-fp16", "fb-w8a8", "grp-int4", "grp-int8", "grp-f32"]
     rows = [int(r) for r in a.rows.split(",")]
     ll = llama_ops(a.llama_ops, list(SHAPES.values()), rows) if a.llama_ops else None
     if ll is not None:

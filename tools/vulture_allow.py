@@ -8,7 +8,7 @@ this kind (add it here, with the reason).
 from ferroxmp.checkpoint import gguf_tokenizer, text_codec
 from ferroxmp import config, protocol, tiny_model
 from ferroxmp.gpu_worker.sampling import grammar
-from ferroxmp.gpu_worker.quant import one_row
+from ferroxmp.gpu_worker.quant import fused_decode
 
 # Attributes of a `tokenizers.Tokenizer` we build: the library reads them.
 _.pre_tokenizer, _.normalizer, _.decoder, _.post_processor
@@ -23,7 +23,7 @@ protocol.Stats.generation_tokens, protocol.Stats.worker_busy_seconds, protocol.S
 protocol.Stats.kv_hit_tokens_pool
 # The resource tracker's register(name, rtype) signature, replaced by a no-op.
 rtype
-# Fields of the ctypes struct one_row.c reads (set per call), and the layer array the struct
-# points at (kept alive by this reference: ctypes holds only the address).
-one_row.OneRowDecode._layers, one_row._Model.mir_k, one_row._Model.mir_v, one_row._Model.mir_slots
-one_row._Model.mir_cap
+# Fields of the ctypes struct fused_decode.c reads (set per call), and the layer array the
+# struct points at (kept alive by this reference: ctypes holds only the address).
+fused_decode.FusedDecode._layers, fused_decode._Model.mir_k, fused_decode._Model.mir_v
+fused_decode._Model.mir_slots, fused_decode._Model.mir_cap

@@ -39,7 +39,7 @@ from ferroxmp.gpu_worker.models import build_model
 from ferroxmp.gpu_worker.pooling import MODES as POOLING_MODES, Pooled, normed
 from ferroxmp.gpu_worker.quant import describe_bytes, resolve_mode
 from ferroxmp.gpu_worker.quant.native import available as native_available
-from ferroxmp.gpu_worker.quant.one_row import OneRowDecode
+from ferroxmp.gpu_worker.quant.fused_decode import FUSED_ROWS, FusedDecode
 from ferroxmp.gpu_worker.quant.packed import small_rows_linear
 from ferroxmp.gpu_worker.sampling.sampler import RowSample, logprobs_of, sample, sample_rows
 
@@ -108,7 +108,7 @@ class ModelRunner:
         # CUDA graphs (decode steps replayed per padded batch size) need one page past the
         # scheduler's for padding rows; never on CPU, under --tp or --deterministic.
         self._graphs_allowed = self.device.type == "cuda" and tp is None and not deterministic
-        self._fused_decode = fused_decode  # False: --disable-fused-decode (quant/one_row.py)
+        self._fused_decode = fused_decode  # False: --disable-fused-decode (quant/fused_decode.py)
         self.rows: dict[int, RowState] = {}
         self.failed: dict[int, str] = {}  # row -> why; its steps are skipped until a NewRow restarts it
         self.attach_pool(pool, cuda_graph)
@@ -138,13 +138,14 @@ class ModelRunner:
                                  num_heads=self._shape.num_heads)
         self.graphs = self._decode_graphs(pool) if graphs else None
         if not self._fused_decode:
-            self.model.one_row, why = None, "--disable-fused-decode"
+            self.model.fused_decode, why = None, "--disable-fused-decode"
         elif self.tp is not None:
-            self.model.one_row, why = None, "--tp"  # each rank holds a shard: the all-reduce is torch's
+            self.model.fused_decode, why = None, "--tp"  # each rank holds a shard: the all-reduce is torch's
         else:
-            self.model.one_row, why = OneRowDecode.build(self.model, self.kv, self.attn)
+            self.model.fused_decode, why = FusedDecode.build(self.model, self.kv, self.attn)
         if self.device.type == "cpu":
-            log.info("one-row decode step: %s", "fused (one native call)" if why is None else f"eager ({why})")
+            log.info("decode steps of 1-%d rows: %s", FUSED_ROWS,
+                     "fused (one native call)" if why is None else f"eager ({why})")
         log.info("memory: %s", describe_bytes(self.model.weight_bytes(), self.kv.nbytes))
         return self
 

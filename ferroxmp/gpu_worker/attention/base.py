@@ -157,9 +157,10 @@ class AttentionBackend:
     def reset(self) -> None:
         """A forward failed part-way: drop everything kept between steps."""
 
-    def one_row_target(self):
-        """(pool slot, mirror slot, mirror) when this step is exactly one decode row whose
-        K/V the decode mirror holds (quant/one_row.py can run it in one call), else None."""
+    def fused_decode_target(self):
+        """(pool slots, mirror slots, mirror) when every row of this step decodes one token
+        and the decode mirror holds their K/V (quant/fused_decode.py can run the step in
+        one call), else None."""
         return None
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

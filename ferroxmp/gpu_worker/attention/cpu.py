@@ -68,7 +68,7 @@ class TorchBackend(AttentionBackend):
         self.write_slots: Optional[torch.Tensor] = None
         self.decode: Optional[_Decode] = None
         self.chunks: list[_Chunk] = []
-        self._one: Optional[tuple] = None  # one_row_target(): set by prepare
+        self._fused: Optional[tuple] = None  # fused_decode_target(): set by prepare
         # Gathered K/V land in one buffer reused by every layer and step: a fresh tensor of
         # tens of MB per gather is a fresh mmap, and its page faults cost more than the copy.
         self._scratch = torch.empty(0, dtype=kv.dtype, device=kv.device)
@@ -85,8 +85,8 @@ class TorchBackend(AttentionBackend):
         if self.mirror is not None:
             self.mirror.reset()
 
-    def one_row_target(self):
-        return self._one
+    def fused_decode_target(self):
+        return self._fused
 
     def _gather(self, pool: torch.Tensor, pages: torch.Tensor, which: int) -> torch.Tensor:
         """pool [KVH, num_pages, page_size, D] -> its `pages` [KVH, n, page_size, D], copied
@@ -112,9 +112,9 @@ class TorchBackend(AttentionBackend):
         b = step.n_decode
         if b and self.mirror is not None:
             self.decode = self._mirror_decode(step)
-        self._one = None
-        if b == 1 and len(step.rows) == 1 and self.decode is not None:
-            self._one = (int(step.write_slots[0]), int(self.decode.slots[0]), self.mirror)
+        self._fused = None
+        if b and len(step.rows) == b and self.decode is not None:  # decode rows only, in the mirror
+            self._fused = (self.write_slots, self.decode.slots, self.mirror)
         if b and self.decode is None:
             n = int(counts[:b].max())
             cols = np.arange(n)[None, :]

@@ -83,9 +83,10 @@ class DecoderLM:
         self.gather_vocab = lambda x: x
         # `embed_ids` - a vocab-parallel lookup under tensor parallelism.
         self.embed_ids = lambda ids: embedding(ids, self.embed, cfg.dtype)
-        # `one_row` - quant/one_row.py's one-call step for a single decode row, set by the
-        # runner where it can run (int4/int8 weights, float32, CPU); None: always eager.
-        self.one_row = None
+        # `fused_decode` - quant/fused_decode.py's one-call step for up to its max_rows
+        # decoding rows, set by the runner where it can run (int4/int8 or float32 weights,
+        # float32, CPU); None: always eager.
+        self.fused_decode = None
 
         def pack(w):  # a quantized weight in its kernel's layout (quant/packed.py)
             return quant_pack(w, cfg.dtype)
@@ -145,8 +146,9 @@ class DecoderLM:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [T] in the plan's internal order -> final hidden states [T, hidden]."""
-        if self.one_row is not None and input_ids.shape[0] == 1 and (at := attn.one_row_target()) is not None:
-            return self.one_row(self.embed_ids(input_ids), int(positions[0]), *at)
+        fused = self.fused_decode
+        if fused is not None and input_ids.shape[0] <= fused.max_rows and (at := attn.fused_decode_target()) is not None:
+            return fused(self.embed_ids(input_ids), positions, *at)
         cfg = self.cfg
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_w, kv_w = nh * hd, nkv * hd

@@ -4,9 +4,9 @@ Modules (one job each):
 - groups.py  Groups: a weight in groups of 32 values (int4 = GGUF's Q4_1 layout, int8 =
              Q8_0), sliced, fused and padded like a tensor, called like F.linear.
 - groups.c   its matmul and widening kernels (AVX2 / AVX-512, float32 activations).
-- one_row.c  one decoding row through every layer in one call (includes groups.c).
-- one_row.py OneRowDecode: when the runner uses it, and its ctypes side.
-- native.py  builds groups.c + one_row.c for this CPU at first use and loads them.
+- fused_decode.c  up to 16 decoding rows through every layer in one call (includes groups.c).
+- fused_decode.py FusedDecode: when the runner uses it, and its ctypes side.
+- native.py  builds groups.c + fused_decode.c for this CPU at first use and loads them.
 - packed.py  PackedF16 (FBGEMM's fp16 GEMM), `pack` (which form a loaded weight takes)
              and `linear`, the dispatch DecoderLM uses.
 - policy.py  which mode a checkpoint gets (--quantization auto/none/fp16/int8/int4),

@@ -234,7 +234,7 @@ void int8_dequant(int N, int K, const int8_t* q, const uint16_t* d, float* out) 
 }
 
 /* Float32 weights (out[N, K], K a multiple of 32) through the same blocks, a group's values
-   loaded as they are: one_row.c's step over float32 weights (at batch 1, the same read
+   loaded as they are: fused_decode.c's step over float32 weights (at batch 1, the same read
    rate as torch's F.linear) and packed.small_rows_linear's 2-16 rows, where MKL's small-M
    GEMM read the LM head at half this rate; past 16 rows MKL's blocking wins
    (docs/BENCHMARKS.md 22). */

@@ -1,4 +1,4 @@
-"""The compiled kernels of groups.c and one_row.c, built at first use with the machine's C compiler.
+"""The compiled kernels of groups.c and fused_decode.c, built at first use with the machine's C compiler.
 
 Job: find or build the shared library for this CPU and load it (ctypes); say in one
 sentence why not when it cannot (no compiler, a CPU without AVX2/FMA/F16C, a build error),
@@ -21,9 +21,9 @@ import subprocess
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# one_row.c includes groups.c: one translation unit, so the whole-step function calls the
+# fused_decode.c includes groups.c: one translation unit, so the whole-step function calls the
 # one-row kernels inline. Both files are hashed into the cache key.
-SOURCES = (os.path.join(HERE, "groups.c"), os.path.join(HERE, "one_row.c"))
+SOURCES = (os.path.join(HERE, "groups.c"), os.path.join(HERE, "fused_decode.c"))
 # FERROXMP_KERNEL_MARCH: another -march (e.g. haswell: the AVX2 code on an AVX-512 CPU)
 FLAGS = ["-O3", f"-march={os.environ.get('FERROXMP_KERNEL_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC"]
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
@@ -87,8 +87,9 @@ def library() -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     lib = ctypes.CDLL(path)
-    for name in ("int4_mm", "int8_mm", "int4_dequant", "int8_dequant", "f32_mm", "one_row_decode"):
+    for name in ("int4_mm", "int8_mm", "int4_dequant", "int8_dequant", "f32_mm", "fused_decode"):
         getattr(lib, name).restype = None
+    lib.fused_decode_scratch.restype = ctypes.c_int64
     return lib
 
 

@@ -1,12 +1,12 @@
-"""OneRowDecode: a decode step of exactly one row, through every layer in one native call.
+"""FusedDecode: a decode step of up to 16 rows through every layer in one native call.
 
 Job: for a model whose linear weights are Groups (--quantization int4/int8, or a Q4/Q8
-GGUF) or float32 tensors, computing in float32 on CPU, run the batch-1 decode step (the
-single stream's every token) as `one_row.c`'s `one_row_decode` instead of ~600 eager torch
-ops.
-`build` says why not when it cannot (the model then runs eagerly, as before); `__call__`
-takes the row's embedding and returns its final hidden state, having written the step's
-K/V to the pool and the decode mirror as the eager path does.
+GGUF) or float32 tensors, computing in float32 on CPU, run a step whose rows all decode
+one token (the single stream's every token; a batch of up to FUSED_ROWS users) as
+`fused_decode.c`'s `fused_decode` instead of ~600 eager torch ops. `build` says why not
+when it cannot (the model then runs eagerly, as before); `__call__` takes the rows'
+embeddings and returns their final hidden states, having written the step's K/V to the
+pool and the decode mirror as the eager path does.
 
 Invariants: the weights, norms and pool never move after `build` (their addresses are
 kept in one ctypes struct); the mirror may (it grows), so its address is set per call.
@@ -23,7 +23,11 @@ import torch
 
 from ferroxmp.gpu_worker.quant.groups import Groups
 from ferroxmp.gpu_worker.quant.native import available, library
-from ferroxmp.gpu_worker.quant.packed import linear, small_rows_linear
+from ferroxmp.gpu_worker.quant.packed import SMALL_ROWS, linear, small_rows_linear
+
+# Rows per fused step: its matmuls are groups.c's small-M kernels, and past 16 rows MKL's
+# GEMM multiplies float32 weights faster (packed.small_rows_linear's range).
+FUSED_ROWS = SMALL_ROWS[1]
 
 
 class _Lin(ctypes.Structure):
@@ -56,7 +60,7 @@ def _float32(t: Optional[torch.Tensor], keep: list) -> Optional[int]:
 
 
 def _lin(w, bias: Optional[torch.Tensor], keep: list) -> _Lin:
-    """Groups, or a float32 tensor (d NULL tells one_row.c which)."""
+    """Groups, or a float32 tensor (d NULL tells fused_decode.c which)."""
     n, k = w.shape
     if isinstance(w, torch.Tensor):
         return _Lin(_float32(w, keep), None, None, _float32(bias, keep), n, k)
@@ -64,7 +68,7 @@ def _lin(w, bias: Optional[torch.Tensor], keep: list) -> _Lin:
 
 
 def _fits(w) -> bool:
-    """A weight one_row.c multiplies: int4/int8 groups, or float32 rows of whole groups of
+    """A weight fused_decode.c multiplies: int4/int8 groups, or float32 rows of whole groups of
     32 values on CPU (f32_mm's blocks)."""
     if isinstance(w, Groups):
         return True
@@ -72,10 +76,10 @@ def _fits(w) -> bool:
             and w.is_contiguous() and w.shape[1] % 32 == 0)
 
 
-class OneRowDecode:
+class FusedDecode:
     def __init__(self, model, kv, lib):
         cfg = self.cfg = model.cfg
-        self.model, self.kv, self.fn = model, kv, lib.one_row_decode
+        self.model, self.kv, self.fn, self.scratch_floats = model, kv, lib.fused_decode, lib.fused_decode_scratch
         self._keep: list = []  # float32 copies the struct points at
         layers = (_Layer * cfg.num_layers)(*[_Layer(
             _float32(L.in_norm, self._keep), _float32(L.post_norm, self._keep),
@@ -87,10 +91,11 @@ class OneRowDecode:
                         cfg.intermediate_size, cfg.rms_norm_eps, layers,
                         kv.k.data_ptr(), kv.v.data_ptr(), kv.num_slots, None, None, 0, 0)
         self._scratch = torch.empty(0)
+        self.max_rows = FUSED_ROWS  # steps of more rows run eagerly
 
     @staticmethod
     def why_not(model, kv, attn) -> Optional[str]:
-        """None when the one-call step can run this model on this pool, else the reason."""
+        """None when the fused step can run this model on this pool, else the reason."""
         cfg = model.cfg
         weights = [w for L in model.layers for w in (L.w_qkv, L.w_o, L.w_gate_up, L.w_down)]
         if not all(_fits(w) for w in weights):
@@ -104,25 +109,26 @@ class OneRowDecode:
         return available()
 
     @classmethod
-    def build(cls, model, kv, attn) -> tuple[Optional["OneRowDecode"], Optional[str]]:
+    def build(cls, model, kv, attn) -> tuple[Optional["FusedDecode"], Optional[str]]:
         why = cls.why_not(model, kv, attn)
         if why is not None:
             return None, why
         return cls(model, kv, library()), None
 
-    def __call__(self, h: torch.Tensor, position: int, slot: int, mslot: int, mirror) -> torch.Tensor:
-        """h [1, hidden] float32 (the row's embedding, overwritten) -> its final hidden state."""
-        cfg, m = self.cfg, self.m
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mslots: torch.Tensor,
+                 mirror) -> torch.Tensor:
+        """h [R, hidden] float32 (the rows' embeddings, overwritten) -> their final hidden
+        states. positions, slots, mslots: int64 [R] on CPU, each row's position, pool slot
+        and mirror slot."""
+        m, rows = self.m, h.shape[0]
         m.mir_k, m.mir_v = mirror.k.data_ptr(), mirror.v.data_ptr()
         m.mir_slots, m.mir_cap = mirror.slots, mirror.cap
-        need = (2 * cfg.hidden_size + (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-                + 2 * cfg.intermediate_size + (position + 1) * cfg.num_heads + max(cfg.hidden_size, cfg.intermediate_size) // 32 + 64)
+        pos, slots, mslots = (t.to(torch.int64).contiguous() for t in (positions, slots, mslots))
+        need = self.scratch_floats(ctypes.byref(m), c_int(rows), c_int64(int(pos.max()) + 1))
         if self._scratch.numel() < need:
             self._scratch = torch.empty(2 * need)
         h = h.contiguous()
-        hd = cfg.head_dim
-        cos = self.model.cos_table.data_ptr() + 4 * position * hd
-        sin = self.model.sin_table.data_ptr() + 4 * position * hd
-        self.fn(ctypes.byref(m), c_void_p(h.data_ptr()), c_void_p(cos), c_void_p(sin), c_int64(slot),
-                c_int64(mslot), c_int64(position), c_void_p(self._scratch.data_ptr()))
+        ptr = lambda t: c_void_p(t.data_ptr())  # noqa: E731
+        self.fn(ctypes.byref(m), c_int(rows), ptr(h), ptr(self.model.cos_table), ptr(self.model.sin_table),
+                ptr(pos), ptr(slots), ptr(mslots), ptr(self._scratch))
         return h

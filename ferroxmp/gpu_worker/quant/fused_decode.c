@@ -1,0 +1,217 @@
+/* Decode rows (one token each, up to 16) through every layer in one call: the decode
+   step of a model whose linear weights are groups of 32 (int4/int8, groups.c) or float32,
+   float32 activations.
+
+   Why: the eager step is ~600 small torch ops between the matmuls, each a few
+   microseconds of dispatch, whatever the batch: on SmolLM2 int4 at batch 1 they cost about
+   as much as the matmuls themselves (docs/BENCHMARKS.md 21), and in float32 they are what
+   stands between the step and the bandwidth floor. Here the glue between the matmuls
+   (RMSNorm, RoPE, q/k norms, the KV writes, attention over each row's contiguous K/V,
+   SiLU-mul, the residual adds) is a few loops over a few thousand floats per row, and the
+   matmuls are groups.c's small-M kernels (OpenMP over output rows), every row of the step
+   in one pass over each weight. Past 16 rows MKL's GEMM multiplies float32 faster
+   (packed.small_rows_linear's range) and the step runs eagerly.
+
+   Numerics follow models/llama.py in float32 (RMSNorm: x * rsqrt(mean(x^2) + eps), then
+   the weight; RoPE: x * cos + rotate_half(x) * sin; softmax scale head_dim ** -0.5); sums
+   run in another order than torch's, so results agree within float rounding, not to the
+   bit (tests/test_fused_decode.py bounds the difference and compares greedy tokens). A
+   row's sums do not depend on the other rows of the step (groups.c's blocks), except that
+   int4 takes another order for a step of exactly one row (row_one).
+
+   KV: row r's K/V go to the pool (layout "hnd": [layers][kv_heads][slots][head_dim]) at
+   `slot[r]`, and to the decode mirror ([layers][mirror slots][kv_heads][cap][head_dim])
+   at position `pos[r]` of mirror slot `mslot[r]`; attention reads the mirror's positions
+   0..pos[r], as attention/cpu.py's mirror path does. */
+#include <math.h>
+#include <string.h>
+#include "groups.c"
+
+typedef struct {
+  const uint8_t* q; const uint16_t* d; const uint16_t* m;  /* m NULL: int8; d NULL: q is float32 */
+  const float* bias;  /* NULL: none */
+  int n, k;
+} Lin;
+
+typedef struct {
+  const float *in_norm, *post_norm, *q_norm, *k_norm;  /* q/k norm NULL: none */
+  Lin qkv, o, gate_up, down;
+} Layer;
+
+typedef struct {
+  int layers, heads, kv_heads, head_dim, hidden, inter;
+  float eps;
+  const Layer* layer;
+  float *pool_k, *pool_v;  /* [layers][kv_heads][slots][head_dim] */
+  int64_t pool_slots;
+  float *mir_k, *mir_v;    /* [layers][mirror slots][kv_heads][cap][head_dim] */
+  int64_t mir_slots, mir_cap;
+} Model;
+
+/* y[R][n] = x[R][k] W^T (+ bias). xs: the int4 kernel's [k / 32] scratch for one row. */
+static void lin(const Lin* w, int R, const float* x, float* y, float* xs) {
+  if (!w->d) f32_mm(R, w->n, w->k, x, (const float*)w->q, y);
+  else if (w->m) int4_mm(R, w->n, w->k, x, w->q, w->d, w->m, xs, y);
+  else int8_mm(R, w->n, w->k, x, (const int8_t*)w->q, w->d, y);
+  if (w->bias)
+    for (int r = 0; r < R; r++)
+      for (int i = 0; i < w->n; i++) y[(int64_t)r * w->n + i] += w->bias[i];
+}
+
+#ifdef __AVX512F__
+#define VADD _mm512_add_ps
+#define VSUB _mm512_sub_ps
+#define VMAX _mm512_max_ps
+#define VROUND(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VPOW2(y, n) _mm512_scalef_ps(y, n)
+#else
+#define VADD _mm256_add_ps
+#define VSUB _mm256_sub_ps
+#define VMAX _mm256_max_ps
+#define VROUND(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VPOW2(y, n) _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32( \
+    _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23)))
+#endif
+/* a . b in float lanes (a plain loop is one scalar chain: C may not reorder the sum). */
+static inline float dot(const float* a, const float* b, int n) {
+  VEC s0 = VZERO, s1 = VZERO;
+  int i = 0;
+  for (; i + 2 * LANES <= n; i += 2 * LANES) {
+    s0 = VFMA(VLOAD(a + i), VLOAD(b + i), s0);
+    s1 = VFMA(VLOAD(a + i + LANES), VLOAD(b + i + LANES), s1);
+  }
+  for (; i + LANES <= n; i += LANES) s0 = VFMA(VLOAD(a + i), VLOAD(b + i), s0);
+  float s = hsum(VADD(s0, s1));
+  for (; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
+/* e^x for x <= 0, in float lanes: Cephes' expf (range reduction by ln 2 in two parts, a
+   degree-5 polynomial; within 2 ulp of expf), so the softmax costs no scalar libm call
+   per key. Below -87.3 the result is ~1e-38 instead of 0: nothing to a softmax sum. */
+static inline VEC vexp(VEC x) {
+  x = VMAX(x, VSET1(-87.3f));
+  VEC n = VROUND(VMUL(x, VSET1(1.44269504088896341f)));
+  x = VFMA(n, VSET1(-0.693359375f), x);
+  x = VFMA(n, VSET1(2.12194440e-4f), x);
+  VEC y = VSET1(1.9875691500e-4f);
+  y = VFMA(y, x, VSET1(1.3981999507e-3f));
+  y = VFMA(y, x, VSET1(8.3334519073e-3f));
+  y = VFMA(y, x, VSET1(4.1665795894e-2f));
+  y = VFMA(y, x, VSET1(1.6666665459e-1f));
+  y = VFMA(y, x, VSET1(5.0000001201e-1f));
+  y = VADD(VFMA(y, VMUL(x, x), x), VSET1(1.0f));
+  return VPOW2(y, n);
+}
+
+/* p[0..n) = e^(p - mx), returning their sum. */
+static inline float exp_sum(float* p, int n, float mx) {
+  VEC s = VZERO, m = VSET1(mx);
+  int t = 0;
+  for (; t + LANES <= n; t += LANES) {
+    VEC e = vexp(VSUB(VLOAD(p + t), m));
+    VSTORE(p + t, e);
+    s = VADD(s, e);
+  }
+  float sum = hsum(s);
+  for (; t < n; t++) { p[t] = expf(p[t] - mx); sum += p[t]; }
+  return sum;
+}
+
+static void rms(const float* x, const float* w, float* out, int n, float eps) {
+  float s = dot(x, x, n);
+  float r = 1.0f / sqrtf(s / n + eps);
+  for (int i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+static void rope(float* x, const float* cos, const float* sin, int d) {
+  int half = d / 2;
+  for (int i = 0; i < half; i++) {
+    float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+/* Scratch floats for R rows whose longest context is `span` positions (fused_decode.py
+   allocates it): the rows' activations, their attention weights, the int4 sums. */
+int64_t fused_decode_scratch(const Model* M, int R, int64_t span) {
+  int64_t E = M->hidden, I = M->inter, HD = (int64_t)M->heads * M->head_dim;
+  int64_t per_row = 2 * E + HD + 2 * (int64_t)M->kv_heads * M->head_dim + HD + 3 * I
+                    + (int64_t)M->heads * span;
+  int64_t widest = E > I ? E : I;
+  return R * per_row + (widest > HD ? widest : HD) / 32 + 64;
+}
+
+/* h [R][hidden]: the rows' embeddings in, their final hidden states out. cos/sin: the
+   model's [positions][head_dim] tables; pos, slot, mslot: each row's position, pool slot
+   and mirror slot. */
+void fused_decode(const Model* M, int R, float* h, const float* cos, const float* sin,
+                  const int64_t* pos, const int64_t* slot, const int64_t* mslot, float* scratch) {
+  const int H = M->heads, KVH = M->kv_heads, D = M->head_dim, E = M->hidden, I = M->inter;
+  const int G = H / KVH, QKV = (H + 2 * KVH) * D;
+  const float scale = 1.0f / sqrtf((float)D);
+  int64_t span = 0;
+  for (int r = 0; r < R; r++) span = pos[r] + 1 > span ? pos[r] + 1 : span;
+  float *x = scratch, *qkv = x + (int64_t)R * E, *o = qkv + (int64_t)R * QKV, *gu = o + (int64_t)R * H * D,
+        *a = gu + (int64_t)R * 2 * I, *y = a + (int64_t)R * I, *p = y + (int64_t)R * E,
+        *xs = p + (int64_t)R * H * span;
+  for (int l = 0; l < M->layers; l++) {
+    const Layer* L = &M->layer[l];
+    for (int r = 0; r < R; r++) rms(h + (int64_t)r * E, L->in_norm, x + (int64_t)r * E, E, M->eps);
+    lin(&L->qkv, R, x, qkv, xs);
+    int64_t pl = (int64_t)l * KVH * M->pool_slots * D;
+    for (int r = 0; r < R; r++) {
+      float *q = qkv + (int64_t)r * QKV, *k = q + H * D, *v = k + KVH * D;
+      const float *c = cos + pos[r] * D, *s = sin + pos[r] * D;
+      if (L->q_norm) {
+        for (int j = 0; j < H; j++) rms(q + j * D, L->q_norm, q + j * D, D, M->eps);
+        for (int j = 0; j < KVH; j++) rms(k + j * D, L->k_norm, k + j * D, D, M->eps);
+      }
+      for (int j = 0; j < H; j++) rope(q + j * D, c, s, D);
+      for (int j = 0; j < KVH; j++) rope(k + j * D, c, s, D);
+      int64_t ml = ((int64_t)l * M->mir_slots + mslot[r]) * KVH * M->mir_cap * D;
+      for (int j = 0; j < KVH; j++) {
+        memcpy(M->pool_k + pl + ((int64_t)j * M->pool_slots + slot[r]) * D, k + j * D, D * sizeof(float));
+        memcpy(M->pool_v + pl + ((int64_t)j * M->pool_slots + slot[r]) * D, v + j * D, D * sizeof(float));
+        memcpy(M->mir_k + ml + ((int64_t)j * M->mir_cap + pos[r]) * D, k + j * D, D * sizeof(float));
+        memcpy(M->mir_v + ml + ((int64_t)j * M->mir_cap + pos[r]) * D, v + j * D, D * sizeof(float));
+      }
+    }
+    /* Attention: each row's query heads over its KV head's positions 0..pos[r], (row,
+       head) pairs in parallel once the contexts make it worth a fork. */
+    #pragma omp parallel for collapse(2) schedule(static) if (R * span >= 32)
+    for (int r = 0; r < R; r++)
+      for (int j = 0; j < H; j++) {
+        const int n = (int)pos[r] + 1;
+        int64_t ml = ((int64_t)l * M->mir_slots + mslot[r]) * KVH * M->mir_cap * D;
+        const float* Kh = M->mir_k + ml + (int64_t)(j / G) * M->mir_cap * D;
+        const float* Vh = M->mir_v + ml + (int64_t)(j / G) * M->mir_cap * D;
+        const float* qj = qkv + (int64_t)r * QKV + j * D;
+        float* pj = p + ((int64_t)r * H + j) * span;
+        float mx = -INFINITY;
+        for (int t = 0; t < n; t++) {
+          pj[t] = dot(qj, Kh + (int64_t)t * D, D) * scale;
+          if (pj[t] > mx) mx = pj[t];
+        }
+        float sum = exp_sum(pj, n, mx);
+        float* oj = o + ((int64_t)r * H + j) * D;
+        for (int i = 0; i < D; i++) oj[i] = 0;
+        for (int t = 0; t < n; t++) {
+          float w = pj[t] / sum;
+          for (int i = 0; i < D; i++) oj[i] += w * Vh[(int64_t)t * D + i];
+        }
+      }
+    lin(&L->o, R, o, y, xs);
+    for (int64_t i = 0; i < (int64_t)R * E; i++) h[i] += y[i];
+    for (int r = 0; r < R; r++) rms(h + (int64_t)r * E, L->post_norm, x + (int64_t)r * E, E, M->eps);
+    lin(&L->gate_up, R, x, gu, xs);
+    for (int r = 0; r < R; r++) {
+      const float* g = gu + (int64_t)r * 2 * I;
+      float* ar = a + (int64_t)r * I;
+      for (int i = 0; i < I; i++) ar[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
+    }
+    lin(&L->down, R, a, y, xs);
+    for (int64_t i = 0; i < (int64_t)R * E; i++) h[i] += y[i];
+  }
+}
