@@ -2,6 +2,7 @@
 against float32 F.linear, on SmolLM2-135M's matrix shapes at M = 1, 16 and 512 rows.
 
     .venv/bin/python tools/bench_quant.py [--threads 2] [--repeats 7] [--llama-ops BIN]
+    .venv/bin/python tools/bench_quant.py --f32-stack 30 --rows 1,4,8,16,32,64,256
 
 Kernels: torch's `_weight_int4pack_mm_for_cpu` (int4, groups of 32, scale + zero per
 group: GGUF Q4_0/Q4_1 map onto it exactly: scale = d, zero = m + 8d for q - 8, checked
@@ -109,6 +110,37 @@ def timed(fn, x, calls: int) -> float:
     return (time.perf_counter() - t) / calls * 1e3
 
 
+def f32_stack(layers: int, rows: list[int], repeats: int) -> None:
+    """Float32 weights as a decode step reads them: `layers` layers' own matrices (qkv, o,
+    gate+up, down: ~515 MB at 30, past any cache) then the LM head, once per pass, through
+    torch's F.linear (MKL) and groups.c's f32_mm; median ms per pass, alternating."""
+    from ferroxmp.gpu_worker.quant.native import library
+    lib = library()
+    ws = [torch.randn(n, k) for _ in range(layers) for n, k in
+          (SHAPES["qkv 960x576"], SHAPES["q/o 576x576"], SHAPES["gate+up 3072x576"], SHAPES["down 576x1536"])]
+    head = torch.randn(*SHAPES["head 49152x576"])
+
+    def grp(x: torch.Tensor, w: torch.Tensor) -> None:
+        y = torch.empty(x.shape[0], w.shape[0])
+        lib.f32_mm(x.shape[0], w.shape[0], w.shape[1], *(ctypes.c_void_p(t.data_ptr()) for t in (x, w, y)))
+
+    print(f"float32, {layers} layers then the head, median of {repeats} passes (ms): layers / head")
+    for m in rows:
+        xs = {k: torch.randn(m, k) for k in (576, 1536)}
+        got: dict = {"F.linear": ([], []), "f32_mm": ([], [])}
+        for _ in range(repeats):
+            for name, fn in (("F.linear", F.linear), ("f32_mm", grp)):
+                t0 = time.perf_counter()
+                for w in ws:
+                    fn(xs[w.shape[1]], w)
+                t1 = time.perf_counter()
+                fn(xs[576], head)
+                got[name][0].append(t1 - t0)
+                got[name][1].append(time.perf_counter() - t1)
+        print(f"M={m:>4} " + "  ".join(f"{name} {1e3 * statistics.median(a):7.1f} / {1e3 * statistics.median(b):6.1f}"
+                                       for name, (a, b) in got.items()))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--threads", type=int, default=2)
@@ -116,8 +148,14 @@ def main() -> None:
     p.add_argument("--rows", default="1,16,512")
     p.add_argument("--llama-ops", default=None, help="llama.cpp's test-backend-ops binary: time its "
                    "Q4_1/Q8_0 MUL_MAT on the same shapes")
+    p.add_argument("--f32-stack", type=int, default=0, metavar="LAYERS",
+                   help="instead: float32 F.linear vs f32_mm over LAYERS layers' matrices and the head")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
+    if a.f32_stack:
+        with torch.inference_mode():
+            f32_stack(a.f32_stack, [int(r) for r in a.rows.split(",")], a.repeats)
+        return
     print(f"threads={a.threads} repeats={a.repeats} (median ms per call; x = speed-up over f32)")
     names = ["f32", "int8", "int4", "fb-fp16", "fb-w8a8", "grp-int4", "grp-int8", "grp-f32"]
     rows = [int(r) for r in a.rows.split(",")]
