@@ -127,6 +127,34 @@ def test_where_it_cannot_run_the_step_stays_eager_and_says_why(tiny_models, make
     assert "mirror" in FusedDecode.why_not(window.runner.model, window.runner.kv, window.runner.attn)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_an_idle_worker_gives_the_mirror_back_and_the_next_steps_are_unchanged(tiny_models, make_harness, fused):
+    """runner.idle() (the worker calls it after a poll interval without work) drops the
+    decode mirror's memory; the rows are refilled from the pool at the next step, so the
+    tokens and the logits are those of a run that never went idle, to the bit."""
+    runs = {}
+    for idle in (False, True):
+        h = make_harness(tiny_models["llama"], page_size=4, max_rows=2, pages_per_row=64, quantization="none",
+                         fused_decode=fused)
+        p = [5, 9, 300, 17, 4, 77, 12]
+        toks, logits = [], []
+        for i in range(7):
+            if idle and i == 4:
+                mirror = h.runner.attn.mirror
+                assert mirror.k.numel() > 0 and mirror.held == {0: len(p) + 3}, "the mirror held nothing to give back"
+                h.runner.idle()
+                assert h.runner.attn.mirror.k.numel() == 0 and not h.runner.attn.mirror.held
+            steps = [RowStep(0, 0, len(p), True)] if i == 0 else [RowStep(0, len(p) + i - 1, 1, True)]
+            res = h.run([h.new_row(0, p)] if i == 0 else [], steps)
+            assert res.error is None and not res.row_errors
+            toks += unpack_ids(res.tokens).tolist()
+            logits.append(h.runner.last_logits.clone())
+        runs[idle] = toks, logits
+        h.close()
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))
+
+
 def test_disable_fused_decode_is_a_flag_and_off_by_default():
     from ferroxmp.config import parse_server_args
     assert parse_server_args([]).disable_fused_decode is False

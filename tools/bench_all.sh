@@ -221,7 +221,11 @@ section_quant() {  # issue 30: one server at a time on the same GGUF, per --quan
             "import json,sys; p=json.load(sys.stdin)['processes']; print(*[p['frontend'], p['scheduler'], *p['workers']])")
         measure "quant_${mode}_1" "${W[@]}" --num-prompts 8 --max-concurrency 1 --out "$OUT/quant_${mode}_1.json"
         measure "quant_${mode}_16" "${W[@]}" --num-prompts 32 --max-concurrency 16 --out "$OUT/quant_${mode}_16.json"
-        echo "quant $mode: resident $(rss_mb $pids) MiB (frontend+scheduler+worker); worker $(rss_mb "${pids##* }") MiB;" \
+        local after idle
+        after="resident $(rss_mb $pids) MiB (frontend+scheduler+worker); worker $(rss_mb "${pids##* }") MiB"
+        sleep 2  # the worker gives back what it keeps only for speed after 0.5 s without work
+        idle="2 s later (idle): $(rss_mb $pids) MiB; worker $(rss_mb "${pids##* }") MiB"
+        echo "quant $mode: $after; $idle;" \
              "$(curl -s "http://127.0.0.1:$A_PORT/server_info" | "$PY" -c "import json,sys; print(json.load(sys.stdin)['worker_info']['memory'])")" \
             | tee "$OUT/quant_${mode}_memory.txt"
         stop_all
@@ -233,7 +237,11 @@ section_quant() {  # issue 30: one server at a time on the same GGUF, per --quan
     wait_healthy "$A_PORT" $!
     measure quant_llama_1 "${W[@]}" --no-server-metrics --num-prompts 8 --max-concurrency 1 --out "$OUT/quant_llama_1.json"
     measure quant_llama_16 "${W[@]}" --no-server-metrics --num-prompts 32 --max-concurrency 16 --out "$OUT/quant_llama_16.json"
-    echo "quant llama-server: resident $(rss_mb "${PIDS[-1]}") MiB" | tee "$OUT/quant_llama_memory.txt"
+    local now
+    now=$(rss_mb "${PIDS[-1]}")
+    sleep 2
+    echo "quant llama-server: resident $now MiB; 2 s later (idle): $(rss_mb "${PIDS[-1]}") MiB" \
+        | tee "$OUT/quant_llama_memory.txt"
     stop_all
 }
 

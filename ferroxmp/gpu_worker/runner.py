@@ -149,6 +149,13 @@ class ModelRunner:
         log.info("memory: %s", describe_bytes(self.model.weight_bytes(), self.kv.nbytes))
         return self
 
+    def idle(self) -> None:
+        """The worker had no batch for a poll interval: the backends give back what they
+        keep between steps only for speed (the CPU decode mirror)."""
+        self.attn.idle()
+        if self.drafter is not None:
+            self.drafter.idle()
+
     def memory_info(self) -> dict:
         """Resident weight bytes by format and the KV pool's bytes (this rank's), for /server_info."""
         weights = self.model.weight_bytes()

@@ -99,6 +99,7 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
     pool: Optional[PagePool] = None
     ctx: Optional[zmq.Context] = None
     tiers = None
+    prep: Optional[GrammarPrep] = None
     try:
         if sa.tp > 1:
             leader = tp_step.Leader(tp_step.join(tp_info, 0, device, sa, cfg))
@@ -142,6 +143,8 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
             leader.stop()
         if tiers is not None:
             tiers.close()
+        if prep is not None:
+            prep.stop()  # its threads close their own sockets: ctx.destroy then waits for none
         if ctx is not None:
             ctx.destroy(linger=0)
         if pool is not None:
@@ -221,6 +224,7 @@ def _serve(runner: ModelRunner, pull: zmq.Socket, results: zmq.Socket, parent_al
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     wake = wake_on_signals(poller)  # SIGTERM (SystemExit in its handler) ends the poll at once
+    busy = False  # a message came since the last idle poll
     while True:
         heart.beat()
         ready = dict(poller.poll(POLL_MS))
@@ -232,7 +236,11 @@ def _serve(runner: ModelRunner, pull: zmq.Socket, results: zmq.Socket, parent_al
             if not parent_alive():
                 log.warning("the supervisor is gone; exiting")
                 return 1
+            if busy:  # the first POLL_MS without a message: memory kept for speed goes back
+                runner.idle()
+                busy = False
             continue
+        busy = True
         frame = pull.recv()
         try:
             msg = protocol.decode(frame)

@@ -157,6 +157,9 @@ class AttentionBackend:
     def reset(self) -> None:
         """A forward failed part-way: drop everything kept between steps."""
 
+    def idle(self) -> None:
+        """No step for a while: give back memory kept between steps only for speed."""
+
     def fused_decode_target(self):
         """(pool slots, mirror slots, mirror) when every row of this step decodes one token
         and the decode mirror holds their K/V (quant/fused_decode.py can run the step in

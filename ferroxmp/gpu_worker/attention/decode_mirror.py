@@ -53,6 +53,10 @@ class DecodeMirror:
     held: dict[int, int] = field(default_factory=dict)  # row -> positions held
 
     def __post_init__(self) -> None:
+        self._empty()
+
+    def _empty(self) -> None:
+        # A new tensor, not a zero-size view of the old one: a view would keep its storage.
         self.k = self.v = torch.empty(self.num_layers, 0, self.kv_heads, 0, self.head_dim,
                                       dtype=self.dtype, device=self.device)
 
@@ -73,6 +77,11 @@ class DecodeMirror:
 
     def reset(self) -> None:
         self.rows, self.held = [], {}
+
+    def release(self) -> None:
+        """Hold nothing and give the memory back (rows are refilled from the pool)."""
+        self.reset()
+        self._empty()
 
     def _remove(self, slot: int) -> None:
         gone, last = self.rows[slot], len(self.rows) - 1
@@ -115,8 +124,7 @@ class DecodeMirror:
             # position a step would copy the whole mirror every step).
             cap = min(max(self.cap, -(-need_cap // GROW) * GROW), self.budget_bytes // self._bytes(slots, 1))
             if cap < need_cap:
-                self.reset()
-                self.k = self.v = self.k[:, :0, :, :0]  # let the memory go
+                self.release()
                 return None
             self._grow(slots, cap)
         for r, start in want.items():

@@ -92,6 +92,9 @@ class DraftModel:
     def reset(self) -> None:
         self.attn.reset()
 
+    def idle(self) -> None:
+        self.attn.idle()
+
     def memory_info(self) -> dict:
         weights = self.model.weight_bytes()
         return {"model": self.path, "quantization": self.quantization, "weight_bytes": sum(weights.values()),

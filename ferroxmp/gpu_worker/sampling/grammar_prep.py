@@ -38,20 +38,37 @@ class GrammarPrep:
         self._jobs: "queue.Queue[Optional[protocol.PrepareGrammar]]" = queue.Queue()
         self._threads = [threading.Thread(target=self._run, name=f"grammar-{i}", daemon=True)
                          for i in range(THREADS)]
+        # Each thread's socket exists before the worker serves: a socket made after the
+        # worker's exit began to tear the context down (ctx.destroy closes the sockets it
+        # knows, then waits for all) would hold that exit up forever.
+        self._connected = threading.Barrier(THREADS + 1)
         for t in self._threads:
             t.start()
+        try:
+            self._connected.wait(timeout=30)
+        except threading.BrokenBarrierError:  # a thread that could not start: it answers nothing
+            log.error("grammar compile threads did not start")
 
     def submit(self, msg: protocol.PrepareGrammar) -> None:
         self._jobs.put(msg)
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 1.0) -> None:
+        """End the threads (each closes its socket); a compile still running is left to
+        its daemon thread after `wait_s` (ctx.destroy then closes its socket)."""
         for _ in self._threads:
             self._jobs.put(None)
+        deadline = time.monotonic() + wait_s
+        for t in self._threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self._endpoint)
+        try:
+            self._connected.wait(timeout=30)
+        except threading.BrokenBarrierError:
+            pass
         try:
             while (msg := self._jobs.get()) is not None:
                 sock.send(protocol.encode(self.prepare(msg)))
