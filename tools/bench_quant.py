@@ -27,7 +27,6 @@ threads: compare with --threads set to the same number.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import re
 import statistics
@@ -56,20 +55,14 @@ def kernels(n: int, k: int, group: int = 32):
     fb8 = torch.ops.quantized.linear_prepack(qw, None)
     fb16 = torch.ops.quantized.linear_prepack_fp16(w, None)
     from ferroxmp.gpu_worker.quant import Groups
-    from ferroxmp.gpu_worker.quant.native import library
+    from ferroxmp.gpu_worker.quant.packed import f32_mm
     g4, g8 = Groups.quantize(w, "int4"), Groups.quantize(w, "int8")
-    lib = library()
-
-    def grp_f32(x: torch.Tensor) -> torch.Tensor:  # float32 weights through groups.c (f32_mm)
-        y = torch.empty(x.shape[0], n)
-        lib.f32_mm(x.shape[0], n, k, *(ctypes.c_void_p(t.data_ptr()) for t in (x, w, y)))
-        return y
     return {"f32": lambda x: F.linear(x, w),
             "int8": lambda x: torch.ops.aten._weight_int8pack_mm(x, q8, s8),
             "int4": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz),
             "fb-fp16": lambda x: torch.ops.quantized.linear_dynamic_fp16(x, fb16),
             "fb-w8a8": lambda x: torch.ops.quantized.linear_dynamic(x, fb8, True),
-            "grp-int4": g4, "grp-int8": g8, "grp-f32": grp_f32}
+            "grp-int4": g4, "grp-int8": g8, "grp-f32": lambda x: f32_mm(x, w)}
 
 
 GGML_OP_MUL_MAT, GGML_F32 = 29, 0  # enum values in ggml.h of llama-cpp-python 0.3.36's tree
@@ -114,22 +107,17 @@ def f32_stack(layers: int, rows: list[int], repeats: int) -> None:
     """Float32 weights as a decode step reads them: `layers` layers' own matrices (qkv, o,
     gate+up, down: ~515 MB at 30, past any cache) then the LM head, once per pass, through
     torch's F.linear (MKL) and groups.c's f32_mm; median ms per pass, alternating."""
-    from ferroxmp.gpu_worker.quant.native import library
-    lib = library()
+    from ferroxmp.gpu_worker.quant.packed import f32_mm
     ws = [torch.randn(n, k) for _ in range(layers) for n, k in
           (SHAPES["qkv 960x576"], SHAPES["q/o 576x576"], SHAPES["gate+up 3072x576"], SHAPES["down 576x1536"])]
     head = torch.randn(*SHAPES["head 49152x576"])
-
-    def grp(x: torch.Tensor, w: torch.Tensor) -> None:
-        y = torch.empty(x.shape[0], w.shape[0])
-        lib.f32_mm(x.shape[0], w.shape[0], w.shape[1], *(ctypes.c_void_p(t.data_ptr()) for t in (x, w, y)))
 
     print(f"float32, {layers} layers then the head, median of {repeats} passes (ms): layers / head")
     for m in rows:
         xs = {k: torch.randn(m, k) for k in (576, 1536)}
         got: dict = {"F.linear": ([], []), "f32_mm": ([], [])}
         for _ in range(repeats):
-            for name, fn in (("F.linear", F.linear), ("f32_mm", grp)):
+            for name, fn in (("F.linear", F.linear), ("f32_mm", f32_mm)):
                 t0 = time.perf_counter()
                 for w in ws:
                     fn(xs[w.shape[1]], w)

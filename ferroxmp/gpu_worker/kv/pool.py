@@ -87,8 +87,9 @@ class KVPool:
             # Written lazily on CPU (zeros()), so the machine's memory is checked here, not
             # by the OOM killer under load once the pages fill.
             available = available_memory() if self.device.type == "cpu" else None
-            if available is not None and self.bytes_for(shape) > available:
-                raise MemoryError(f"{self.bytes_for(shape) / 2**30:.3g} GiB asked, the machine has "
+            asked = 2 * math.prod(shape) * torch.empty((), dtype=self.dtype).element_size()
+            if available is not None and asked > available:
+                raise MemoryError(f"{asked / 2**30:.3g} GiB asked, the machine has "
                                   f"{available / 2**30:.3g} GiB available (MemAvailable)")
             self.k = zeros(shape, self.dtype, self.device)
             self.v = zeros(shape, self.dtype, self.device)
@@ -109,9 +110,6 @@ class KVPool:
         if self.layout == "hnd":
             return (self.num_layers, self.num_kv_heads, self.num_slots, self.head_dim)
         return (self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
-
-    def bytes_for(self, shape: tuple[int, ...]) -> int:
-        return 2 * math.prod(shape) * torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def num_slots(self) -> int:

@@ -133,14 +133,30 @@ static void rope(float* x, const float* cos, const float* sin, int d) {
   }
 }
 
-/* Scratch floats for R rows whose longest context is `span` positions (fused_decode.py
-   allocates it): the rows' activations, their attention weights, the int4 sums. */
-int64_t fused_decode_scratch(const Model* M, int R, int64_t span) {
+/* The step's scratch for R rows whose longest context is `span` positions: each row's
+   activations, its attention weights, and the int4 kernel's sums of one row. */
+typedef struct { float *x, *qkv, *o, *gu, *a, *y, *p, *xs; } Scratch;
+
+/* Lays S out from `base` (NULL: only sizes it) and returns its size in floats: the one
+   place that knows the layout, for fused_decode_scratch and fused_decode alike. */
+static int64_t carve(const Model* M, int R, int64_t span, float* base, Scratch* S) {
   int64_t E = M->hidden, I = M->inter, HD = (int64_t)M->heads * M->head_dim;
-  int64_t per_row = 2 * E + HD + 2 * (int64_t)M->kv_heads * M->head_dim + HD + 3 * I
-                    + (int64_t)M->heads * span;
-  int64_t widest = E > I ? E : I;
-  return R * per_row + (widest > HD ? widest : HD) / 32 + 64;
+  int64_t QKV = HD + 2 * (int64_t)M->kv_heads * M->head_dim, widest = E > I ? E : I;
+  int64_t sizes[8] = {R * E, R * QKV, R * HD, R * 2 * I, R * I, R * E, R * M->heads * span,
+                      (widest > HD ? widest : HD) / 32};
+  float** parts[8] = {&S->x, &S->qkv, &S->o, &S->gu, &S->a, &S->y, &S->p, &S->xs};
+  int64_t at = 0;
+  for (int i = 0; i < 8; i++) {
+    *parts[i] = base ? base + at : NULL;
+    at += sizes[i];
+  }
+  return at;
+}
+
+/* Floats of scratch fused_decode needs (fused_decode.py allocates it). */
+int64_t fused_decode_scratch(const Model* M, int R, int64_t span) {
+  Scratch S;
+  return carve(M, R, span, NULL, &S);
 }
 
 /* h [R][hidden]: the rows' embeddings in, their final hidden states out. cos/sin: the
@@ -153,9 +169,9 @@ void fused_decode(const Model* M, int R, float* h, const float* cos, const float
   const float scale = 1.0f / sqrtf((float)D);
   int64_t span = 0;
   for (int r = 0; r < R; r++) span = pos[r] + 1 > span ? pos[r] + 1 : span;
-  float *x = scratch, *qkv = x + (int64_t)R * E, *o = qkv + (int64_t)R * QKV, *gu = o + (int64_t)R * H * D,
-        *a = gu + (int64_t)R * 2 * I, *y = a + (int64_t)R * I, *p = y + (int64_t)R * E,
-        *xs = p + (int64_t)R * H * span;
+  Scratch S;
+  carve(M, R, span, scratch, &S);
+  float *x = S.x, *qkv = S.qkv, *o = S.o, *gu = S.gu, *a = S.a, *y = S.y, *p = S.p, *xs = S.xs;
   for (int l = 0; l < M->layers; l++) {
     const Layer* L = &M->layer[l];
     for (int r = 0; r < R; r++) rms(h + (int64_t)r * E, L->in_norm, x + (int64_t)r * E, E, M->eps);

@@ -9,6 +9,7 @@ bytes in its own layout); CPU only (policy.resolve_mode refuses fp16 elsewhere).
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Optional
 
 import torch
@@ -74,6 +75,14 @@ def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -> torch.Ten
 SMALL_ROWS = (2, 16)
 
 
+def f32_mm(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x2 [m, k] @ w[n, k]^T through groups.c's f32_mm (both float32, contiguous, CPU;
+    k a multiple of 32)."""
+    y = torch.empty(x2.shape[0], w.shape[0])
+    library().f32_mm(x2.shape[0], w.shape[0], w.shape[1], *(ctypes.c_void_p(t.data_ptr()) for t in (x2, w, y)))
+    return y
+
+
 def small_rows_linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`linear`, with a float32 CPU weight times 2-16 rows through f32_mm. The runner
     installs it as model.linear where the native kernels load (never --deterministic:
@@ -82,11 +91,7 @@ def small_rows_linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -
         n, k = w.shape
         m = x.numel() // k
         if SMALL_ROWS[0] <= m <= SMALL_ROWS[1] and k % 32 == 0 and w.is_contiguous() and w.device.type == "cpu":
-            import ctypes
-            x2 = x.reshape(m, k).contiguous()
-            y = torch.empty(m, n)
-            library().f32_mm(m, n, k, ctypes.c_void_p(x2.data_ptr()), ctypes.c_void_p(w.data_ptr()),
-                             ctypes.c_void_p(y.data_ptr()))
+            y = f32_mm(x.reshape(m, k).contiguous(), w)
             if bias is not None:
                 y += bias
             return y.reshape(*x.shape[:-1], n)
