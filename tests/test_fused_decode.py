@@ -9,7 +9,7 @@ within a bound (float32 rounding over a few thousand terms, amplified by 2-4 lay
 checked by what later steps read: a row that sits out a step leaves the decode mirror
 and is refilled from the pool (so a missing pool write would change its tokens), and a
 mixed step (a prefill beside a decoding row: eager) reads the mirror the fused steps
-wrote (with float32 weights, its rows through torch's GEMM, or f32_mm at 2-16 rows).
+wrote (with float32 weights, its rows through torch's GEMM, or f32_mm at 1-16 rows).
 """
 from __future__ import annotations
 

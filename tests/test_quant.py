@@ -142,10 +142,11 @@ def _f32_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tenso
     return 2 * (w.shape[1] + 1) * 2.0 ** -24 * (x.abs() @ w.abs().T + b.abs()).double()
 
 
-def test_float32_weights_times_2_to_16_rows_go_through_f32_mm_within_float_rounding(monkeypatch):
-    """small_rows_linear (the runner's model.linear for float32 on CPU): 2-16 rows through
-    groups.c's f32_mm, against the float64 product; a weight of 99 rows (the tail path).
-    1 and 17 rows, and a K that is not a multiple of 32, stay F.linear's, to the bit."""
+def test_float32_weights_times_1_to_16_rows_go_through_f32_mm_within_float_rounding(monkeypatch):
+    """small_rows_linear (the runner's model.linear for float32 on CPU): 1-16 rows through
+    groups.c's f32_mm (one row: its own row-at-a-time path), against the float64 product;
+    a weight of 99 rows (the tail path). 17 rows, and a K that is not a multiple of 32,
+    stay F.linear's, to the bit."""
     from ferroxmp.gpu_worker.quant import packed
     calls = []
 
@@ -160,17 +161,16 @@ def test_float32_weights_times_2_to_16_rows_go_through_f32_mm_within_float_round
     monkeypatch.setattr(packed, "library", lambda: Counting(native))
     g = torch.Generator().manual_seed(3)
     w, b = torch.randn(99, 320, generator=g), torch.randn(99, generator=g)
-    for rows in (2, 3, 5, 8, 9, 13, 16):
+    for rows in (1, 2, 3, 5, 8, 9, 13, 16):
         x = torch.randn(rows, 320, generator=g)
         exact = F.linear(x.double(), w.double(), b.double())
         assert ((packed.small_rows_linear(x, w, b).double() - exact).abs() <= _f32_bound(x, w, b)).all(), rows
-    assert calls == [2, 3, 5, 8, 9, 13, 16]
-    for rows in (1, 17):
-        x = torch.randn(rows, 320, generator=g)
-        assert torch.equal(packed.small_rows_linear(x, w, b), F.linear(x, w, b))
+    assert calls == [1, 2, 3, 5, 8, 9, 13, 16]
+    x = torch.randn(17, 320, generator=g)
+    assert torch.equal(packed.small_rows_linear(x, w, b), F.linear(x, w, b))
     x, w2 = torch.randn(4, 100, generator=g), torch.randn(99, 100, generator=g)
     assert torch.equal(packed.small_rows_linear(x, w2, b), F.linear(x, w2, b))
-    assert calls == [2, 3, 5, 8, 9, 13, 16]
+    assert calls == [1, 2, 3, 5, 8, 9, 13, 16]
 
 
 def test_the_avx2_build_of_the_kernels_computes_what_the_native_one_does(tmp_path):
@@ -189,7 +189,7 @@ def test_the_avx2_build_of_the_kernels_computes_what_the_native_one_does(tmp_pat
             "        bound = 16 * 320 * 2.0 ** -24 * (x.abs() @ w.abs().T + x.abs().sum(1, keepdim=True))\n"
             "        assert ((g(x) - F.linear(x, w)).abs() <= bound).all(), (fmt, rows)\n"
             "w, b = torch.randn(99, 320), torch.randn(99)\n"
-            "for rows in (3, 13):\n"
+            "for rows in (1, 3, 13):\n"
             "    x = torch.randn(rows, 320)\n"
             "    err = (small_rows_linear(x, w, b).double() - F.linear(x.double(), w.double(), b.double())).abs()\n"
             "    bound = 2 * 321 * 2.0 ** -24 * (x.abs() @ w.abs().T + b.abs()).double()\n"

@@ -59,13 +59,11 @@ static void lin(const Lin* w, int R, const float* x, float* y, float* xs) {
 }
 
 #ifdef __AVX512F__
-#define VADD _mm512_add_ps
 #define VSUB _mm512_sub_ps
 #define VMAX _mm512_max_ps
 #define VROUND(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define VPOW2(y, n) _mm512_scalef_ps(y, n)
 #else
-#define VADD _mm256_add_ps
 #define VSUB _mm256_sub_ps
 #define VMAX _mm256_max_ps
 #define VROUND(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)

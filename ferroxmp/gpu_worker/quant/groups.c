@@ -30,6 +30,7 @@ static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 #define VSTORE _mm512_storeu_ps
 #define VFMA _mm512_fmadd_ps
 #define VMUL _mm512_mul_ps
+#define VADD _mm512_add_ps
 #define VSET1 _mm512_set1_ps
 static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 static inline void int4_unpack(const uint8_t* qb, VEC w[NV]) {
@@ -49,6 +50,7 @@ static inline void int8_unpack(const int8_t* qb, VEC w[NV]) {
 #define VSTORE _mm256_storeu_ps
 #define VFMA _mm256_fmadd_ps
 #define VMUL _mm256_mul_ps
+#define VADD _mm256_add_ps
 #define VSET1 _mm256_set1_ps
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -170,8 +172,8 @@ static inline __attribute__((always_inline)) void rows_times(int n, int M, int N
       continue;
     }
 #define TALL(c) case c: block(K, x, r0, c, n, NSTEP, N, q, gbytes, unpack, d, m, y); break;
-#define WIDE(c) case c: for (int j = 0; j < NSTEP; j += NWIDE) \
-                          block(K, x, r0, c, n + j, NWIDE, N, q, gbytes, unpack, d, m, y); break;
+#define WIDE(c) case c: { for (int j = 0; j < NSTEP; j += NWIDE) \
+                          block(K, x, r0, c, n + j, NWIDE, N, q, gbytes, unpack, d, m, y); } break;
     switch (mb) { TALL(1) TALL(2) TALL(3) TALL(4) WIDE(5) WIDE(6) WIDE(7) WIDE(8) }
 #undef TALL
 #undef WIDE
@@ -234,15 +236,33 @@ void int8_dequant(int N, int K, const int8_t* q, const uint16_t* d, float* out) 
 }
 
 /* Float32 weights (out[N, K], K a multiple of 32) through the same blocks, a group's values
-   loaded as they are: fused_decode.c's step over float32 weights (at batch 1, the same read
-   rate as torch's F.linear) and packed.small_rows_linear's 2-16 rows, where MKL's small-M
-   GEMM read the LM head at half this rate; past 16 rows MKL's blocking wins
-   (docs/BENCHMARKS.md 22). */
+   loaded as they are (one activation row: f32_row): fused_decode.c's step over float32
+   weights and packed.small_rows_linear's 1-16 rows, where MKL's small-M GEMM read the LM
+   head at half this rate and its one-row path at 0.4x; past 16 rows MKL's blocking wins
+   (docs/BENCHMARKS.md 22-23). */
 static inline void f32_unpack(const uint8_t* qb, VEC w[NV]) {
   for (int v = 0; v < NV; v++) w[v] = VLOAD((const float*)qb + v * LANES);
 }
 
+/* One activation row: each weight row read front to back into two accumulators, one
+   stream per thread. The blocks' four interleaved rows read 0.8x as fast at batch 1
+   (SmolLM2's matrices, docs/BENCHMARKS.md 23): the hardware prefetchers follow one
+   stream better than four short ones (a row is 2-6 KB). */
+static inline float f32_row(int K, const float* x, const float* w) {
+  VEC a0 = VZERO, a1 = VZERO;
+  for (int k = 0; k < K; k += 2 * LANES) {  /* K: a multiple of 32 = 2 vectors at least */
+    a0 = VFMA(VLOAD(w + k), VLOAD(x + k), a0);
+    a1 = VFMA(VLOAD(w + k + LANES), VLOAD(x + k + LANES), a1);
+  }
+  return hsum(VADD(a0, a1));
+}
+
 void f32_mm(int M, int N, int K, const float* x, const float* w, float* y) {
+  if (M == 1) {
+    #pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) y[n] = f32_row(K, x, w + (int64_t)n * K);
+    return;
+  }
   #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; n += NSTEP) rows_times(n, M, N, K, x, (const uint8_t*)w, 128, (unpack_fn)f32_unpack, 0, 0, y);
 }

@@ -71,8 +71,9 @@ def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -> torch.Ten
 
 # Activation rows for which float32 weights go through groups.c's f32_mm instead of
 # torch's GEMM: a batch of decode rows. MKL's small-M path reads the LM head at half the
-# rate f32_mm does at 4-8 rows (docs/BENCHMARKS.md 22); from ~24 rows on the GEMM wins.
-SMALL_ROWS = (2, 16)
+# rate f32_mm does at 4-8 rows, and MKL's one-row path at 0.4x of f32_mm's own
+# (docs/BENCHMARKS.md 22-23); from ~24 rows on the GEMM wins.
+SMALL_ROWS = (1, 16)
 
 
 def f32_mm(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -84,7 +85,7 @@ def f32_mm(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def small_rows_linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`linear`, with a float32 CPU weight times 2-16 rows through f32_mm. The runner
+    """`linear`, with a float32 CPU weight times 1-16 rows through f32_mm. The runner
     installs it as model.linear where the native kernels load (never --deterministic:
     a row's sum order here depends on how many rows the step has)."""
     if isinstance(w, torch.Tensor) and w.dtype == torch.float32 and x.dtype == torch.float32:
