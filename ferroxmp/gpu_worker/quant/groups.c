@@ -137,9 +137,19 @@ static inline __attribute__((always_inline)) void block(int K, const float* x, i
     VEC w[NSTEP][NV];
     for (int j = 0; j < nr; j++) {
       const uint8_t* qg = q + ((int64_t)(n + j) * G + g) * gbytes;
+      if (!d) {  /* float32 rows (f32_mm): the values as they are */
+        /* the same group NSTEP rows on, both of its lines: the thread's next block (static
+           schedule), fetched while this one computes; the hardware prefetchers lose four
+           short interleaved rows (2-6 KB each): +20-27% read rate at 4-16 rows
+           (docs/BENCHMARKS.md 23). Quantized blocks are bound by the unpack (neutral). */
+        const char* pf = (const char*)qg + (int64_t)NSTEP * G * gbytes;
+        _mm_prefetch(pf, _MM_HINT_T0);
+        _mm_prefetch(pf + 64, _MM_HINT_T0);
+        unpack(qg, w[j]);
+        continue;
+      }
       _mm_prefetch((const char*)qg + PREFETCH, _MM_HINT_T0);
       unpack(qg, w[j]);
-      if (!d) continue;  /* float32 rows (f32_mm): the values as they are */
       VEC dg = VSET1(h2f(d[(int64_t)(n + j) * G + g]));
       if (m) {
         VEC mg = VSET1(h2f(m[(int64_t)(n + j) * G + g]));
