@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ferroxmp.gpu_worker.quant.fused_decode import FUSED_ROWS, FusedDecode
-from ferroxmp.gpu_worker.quant.packed import linear, small_rows_linear
+from ferroxmp.gpu_worker.quant.packed import linear, cpu_f32_linear
 from ferroxmp.protocol import RowStep, SamplingParams, unpack_ids
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -70,7 +70,7 @@ def test_decoding_rows_in_one_call_give_the_eager_steps_tokens_and_logits(tiny_m
                          fused_decode=False)
     assert eager.runner.model.fused_decode is None
     if mode == "none":  # the two rows' steps: f32_mm against torch's GEMM
-        assert fused.runner.model.linear is small_rows_linear and eager.runner.model.linear is linear
+        assert fused.runner.model.linear is cpu_f32_linear and eager.runner.model.linear is linear
     got, got_logits, calls = _drive(fused)
     want, want_logits, _ = _drive(eager)
     assert calls == [1] * 7 + [2] * 3 + [3] * 3, f"the decode-only steps did not all take the fused path: {calls}"

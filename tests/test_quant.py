@@ -142,13 +142,13 @@ def _f32_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tenso
     return 2 * (w.shape[1] + 1) * 2.0 ** -24 * (x.abs() @ w.abs().T + b.abs()).double()
 
 
-def test_float32_weights_times_1_to_16_rows_go_through_f32_mm_within_float_rounding(monkeypatch):
-    """small_rows_linear (the runner's model.linear for float32 on CPU): 1-16 rows through
-    groups.c's f32_mm (one row: its own row-at-a-time path), against the float64 product;
-    a weight of 99 rows (the tail path). 17 rows, and a K that is not a multiple of 32,
-    stay F.linear's, to the bit."""
+def test_float32_weights_go_through_f32_mm_at_1_to_16_rows_and_gemm_past_that_within_float_rounding(monkeypatch):
+    """cpu_f32_linear (the runner's model.linear for float32 on CPU): 1-16 rows through
+    groups.c's f32_mm (one row: its own row-at-a-time path), more through packed.gemm
+    (oneDNN), each against the float64 product; a weight of 99 rows (the tail path).
+    A K that is not a multiple of 32 stays F.linear's at 1-16 rows, to the bit."""
     from ferroxmp.gpu_worker.quant import packed
-    calls = []
+    calls, gemms = [], []
 
     class Counting:
         def __init__(self, lib):
@@ -157,20 +157,25 @@ def test_float32_weights_times_1_to_16_rows_go_through_f32_mm_within_float_round
         def f32_mm(self, *a):
             calls.append(a[0])
             return self.lib.f32_mm(*a)
-    native = packed.library()
+    native, gemm = packed.library(), packed.gemm
     monkeypatch.setattr(packed, "library", lambda: Counting(native))
+    monkeypatch.setattr(packed, "gemm", lambda x2, *a: gemms.append(x2.shape[0]) or gemm(x2, *a))
     g = torch.Generator().manual_seed(3)
     w, b = torch.randn(99, 320, generator=g), torch.randn(99, generator=g)
-    for rows in (1, 2, 3, 5, 8, 9, 13, 16):
+    for rows in (1, 2, 3, 5, 8, 9, 13, 16, 17, 64, 300):
         x = torch.randn(rows, 320, generator=g)
         exact = F.linear(x.double(), w.double(), b.double())
-        assert ((packed.small_rows_linear(x, w, b).double() - exact).abs() <= _f32_bound(x, w, b)).all(), rows
-    assert calls == [1, 2, 3, 5, 8, 9, 13, 16]
-    x = torch.randn(17, 320, generator=g)
-    assert torch.equal(packed.small_rows_linear(x, w, b), F.linear(x, w, b))
+        for bias in (b, None):
+            got = packed.cpu_f32_linear(x, w, bias).double() + (b if bias is None else 0)
+            assert ((got - exact).abs() <= _f32_bound(x, w, b)).all(), rows
+    assert calls == [r for r in (1, 1, 2, 2, 3, 3, 5, 5, 8, 8, 9, 9, 13, 13, 16, 16)]
+    assert gemms == [17, 17, 64, 64, 300, 300]
     x, w2 = torch.randn(4, 100, generator=g), torch.randn(99, 100, generator=g)
-    assert torch.equal(packed.small_rows_linear(x, w2, b), F.linear(x, w2, b))
-    assert calls == [1, 2, 3, 5, 8, 9, 13, 16]
+    assert torch.equal(packed.cpu_f32_linear(x, w2, b), F.linear(x, w2, b))
+    assert len(calls) == 16
+    if packed.ONEDNN:  # the many-row product is oneDNN's, not F.linear's under another name
+        x = torch.randn(64, 320, generator=g)
+        assert torch.equal(packed.gemm(x, w), torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
 
 
 def test_the_avx2_build_of_the_kernels_computes_what_the_native_one_does(tmp_path):
@@ -180,7 +185,7 @@ def test_the_avx2_build_of_the_kernels_computes_what_the_native_one_does(tmp_pat
     from avx2_build import run_avx2
     code = ("import torch, torch.nn.functional as F\n"
             "from ferroxmp.gpu_worker.quant import Groups\n"
-            "from ferroxmp.gpu_worker.quant.packed import small_rows_linear\n"
+            "from ferroxmp.gpu_worker.quant.packed import cpu_f32_linear\n"
             "torch.manual_seed(0)\n"
             "for fmt in ('int4', 'int8'):\n"
             "    g = Groups.quantize(torch.randn(99, 320), fmt); w = g.dequantize()\n"
@@ -191,7 +196,7 @@ def test_the_avx2_build_of_the_kernels_computes_what_the_native_one_does(tmp_pat
             "w, b = torch.randn(99, 320), torch.randn(99)\n"
             "for rows in (1, 3, 13):\n"
             "    x = torch.randn(rows, 320)\n"
-            "    err = (small_rows_linear(x, w, b).double() - F.linear(x.double(), w.double(), b.double())).abs()\n"
+            "    err = (cpu_f32_linear(x, w, b).double() - F.linear(x.double(), w.double(), b.double())).abs()\n"
             "    bound = 2 * 321 * 2.0 ** -24 * (x.abs() @ w.abs().T + b.abs()).double()\n"
             "    assert (err <= bound).all(), ('float32', rows)\n"
             "print('ok')\n")

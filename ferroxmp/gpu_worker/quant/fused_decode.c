@@ -10,7 +10,7 @@
    SiLU-mul, the residual adds) is a few loops over a few thousand floats per row, and the
    matmuls are groups.c's small-M kernels (OpenMP over output rows), every row of the step
    in one pass over each weight. Past 16 rows MKL's GEMM multiplies float32 faster
-   (packed.small_rows_linear's range) and the step runs eagerly.
+   (packed.cpu_f32_linear's range) and the step runs eagerly.
 
    Numerics follow models/llama.py in float32 (RMSNorm: x * rsqrt(mean(x^2) + eps), then
    the weight; RoPE: x * cos + rotate_half(x) * sin; softmax scale head_dim ** -0.5); sums

@@ -23,10 +23,10 @@ import torch
 
 from ferroxmp.gpu_worker.quant.groups import Groups
 from ferroxmp.gpu_worker.quant.native import available, library
-from ferroxmp.gpu_worker.quant.packed import SMALL_ROWS, linear, small_rows_linear
+from ferroxmp.gpu_worker.quant.packed import SMALL_ROWS, linear, cpu_f32_linear
 
 # Rows per fused step: its matmuls are groups.c's small-M kernels, and past 16 rows MKL's
-# GEMM multiplies float32 weights faster (packed.small_rows_linear's range).
+# GEMM multiplies float32 weights faster (packed.cpu_f32_linear's range).
 FUSED_ROWS = SMALL_ROWS[1]
 
 
@@ -102,7 +102,7 @@ class FusedDecode:
             return "its linear weights are not all int4/int8 groups or float32 rows of whole groups of 32"
         if cfg.dtype != torch.float32 or kv.dtype != torch.float32 or kv.device.type != "cpu":
             return "it computes in float32 on CPU only"
-        if model.linear not in (linear, small_rows_linear):
+        if model.linear not in (linear, cpu_f32_linear):
             return "the model's matmuls are replaced (--deterministic)"
         if attn.mirror is None or kv.layout != "hnd":
             return "it needs the CPU attention backend with its decode mirror (no sliding window)"

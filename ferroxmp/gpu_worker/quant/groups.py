@@ -23,9 +23,9 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ferroxmp.gpu_worker.quant.native import library
+from ferroxmp.gpu_worker.quant.packed import gemm
 
 GROUP = 32
 # Above this many activation rows (a prefill chunk) the weight is widened to float32 once
@@ -145,7 +145,7 @@ class Groups:
         rows, cols = self.shape
         x2 = x.reshape(-1, cols).float().contiguous()
         if x2.shape[0] > DEQUANT_ROWS:
-            y = F.linear(x2, self.widened())
+            y = gemm(x2, self.widened())
         else:
             y = torch.empty(x2.shape[0], rows)
             lib = library()

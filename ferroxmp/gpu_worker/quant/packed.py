@@ -2,7 +2,9 @@
 
 Job: hold the packed weight and run `quantized::linear_dynamic_fp16`; `pack` decides
 which form a loaded weight takes, and `linear(x, w, b)` is the one dispatch DecoderLM
-uses (a float tensor goes to F.linear, anything else is called: PackedF16, Groups).
+uses (a float tensor goes to F.linear, anything else is called: PackedF16, Groups);
+`cpu_f32_linear` is that dispatch with float32 CPU products routed by row count
+(groups.c's f32_mm for 1-16 rows, `gemm`, oneDNN, for more).
 
 Invariants: `nbytes` counts the float16 values (FBGEMM's packed copy holds the same
 bytes in its own layout); CPU only (policy.resolve_mode refuses fp16 elsewhere).
@@ -84,16 +86,35 @@ def f32_mm(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def small_rows_linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`linear`, with a float32 CPU weight times 1-16 rows through f32_mm. The runner
-    installs it as model.linear where the native kernels load (never --deterministic:
-    a row's sum order here depends on how many rows the step has)."""
-    if isinstance(w, torch.Tensor) and w.dtype == torch.float32 and x.dtype == torch.float32:
+# torch's oneDNN matmul over a plain (not prepacked) float32 weight: on the AMD EPYC of
+# docs/BENCHMARKS.md 23, 1.2-1.7x MKL's sgemm (F.linear's) at 32-512 rows, a prefill
+# chunk's products; the same product within float rounding. False where this torch was
+# built without oneDNN (then MKL's).
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def gemm(x2: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x2 [m, k] @ w[n, k]^T (+ bias), float32 on CPU, many rows: oneDNN where torch has
+    it, else F.linear."""
+    if ONEDNN:
+        return torch.ops.mkldnn._linear_pointwise(x2, w, bias, "none", [], "")
+    return F.linear(x2, w, bias)
+
+
+def cpu_f32_linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`linear`, with a float32 CPU weight through f32_mm for 1-16 rows and through `gemm`
+    for more. The runner installs it as model.linear where the native kernels load (never
+    --deterministic: a row's sum order here depends on how many rows the step has)."""
+    if isinstance(w, torch.Tensor) and w.dtype == torch.float32 and x.dtype == torch.float32 \
+            and w.is_contiguous() and w.device.type == "cpu":
         n, k = w.shape
         m = x.numel() // k
-        if SMALL_ROWS[0] <= m <= SMALL_ROWS[1] and k % 32 == 0 and w.is_contiguous() and w.device.type == "cpu":
+        if SMALL_ROWS[0] <= m <= SMALL_ROWS[1] and k % 32 == 0:
             y = f32_mm(x.reshape(m, k).contiguous(), w)
             if bias is not None:
                 y += bias
+            return y.reshape(*x.shape[:-1], n)
+        if m > SMALL_ROWS[1] and (bias is None or bias.dtype == torch.float32):
+            y = gemm(x.reshape(m, k).contiguous(), w, None if bias is None else bias.contiguous())
             return y.reshape(*x.shape[:-1], n)
     return linear(x, w, bias)
