@@ -32,6 +32,10 @@ class ServerArgs:
     device: str = _f("auto", "Where the model runs.", ["auto", "cpu", "cuda"])
     dtype: str = _f("auto", "Weight and KV dtype; auto = the checkpoint's, but "
                     "float32 for bf16/fp16 on a CPU that only emulates them (logged; /server_info says why).", ["auto", "float32", "bfloat16", "float16"])
+    kv_cache_dtype: str = _f("auto", "What the KV cache stores; auto = the model's dtype. float16 (or bfloat16) "
+                             "halves a float32 model's KV memory, so the same --kv-cache-gb holds twice the "
+                             "tokens: K/V are rounded once when written and attention widens what it reads "
+                             "(CPU only; not with --deterministic).", ["auto", "float32", "bfloat16", "float16"])
     page_size: int = _f(16, "Tokens per KV page.")
     kv_pages: Optional[int] = _f(None, "Explicit number of KV pages (overrides --kv-cache-gb / --mem-fraction).")
     kv_cache_gb: float = _f(2.0, "KV pool size in GiB on CPU.")

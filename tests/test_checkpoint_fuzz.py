@@ -416,19 +416,19 @@ def test_kv_sizing_failures_name_layers_context_kv_heads_head_dim_and_dtype_byte
     cfg = load_config(tiny_models["llama"])
     per_context = 2 * cfg.num_layers * cfg.max_position_embeddings * cfg.num_kv_heads * cfg.head_dim * 4
     with pytest.raises(RuntimeError) as e:
-        pages_for_budget(cfg, 16, torch.float32, None, 1e-9, 0.9, torch.device("cpu"))
+        pages_for_budget(cfg, 16, None, 1e-9, 0.9, torch.device("cpu"))
     msg = str(e.value)
     assert (f"{cfg.num_layers} layers x {cfg.max_position_embeddings} tokens x {cfg.num_kv_heads} kv heads x "
             f"{cfg.head_dim} head_dim x 4 bytes = {per_context / 2**30:.3g} GiB") in msg, msg
     assert "kv-cache-gb" in msg
     with pytest.raises(RuntimeError) as e:  # 2**40 pages: the allocator refuses at once
-        KVPool.for_model(cfg, 1 << 40, 16, torch.float32, torch.device("cpu"))
+        KVPool.for_model(cfg, 1 << 40, 16, torch.device("cpu"))
     msg = str(e.value)
     assert f"{cfg.num_layers} layers x {(1 << 40) * 16} tokens x {cfg.num_kv_heads} kv heads" in msg, msg
     assert "\n" not in msg
     per_page = per_context // cfg.max_position_embeddings * 16
     with caplog.at_level("WARNING", logger="ferroxmp.kv_pool"):  # 3 pages: serves, short of one context
-        assert pages_for_budget(cfg, 16, torch.float32, None, 3 * per_page / 2**30, 0.9, torch.device("cpu")) == 3
+        assert pages_for_budget(cfg, 16, None, 3 * per_page / 2**30, 0.9, torch.device("cpu")) == 3
     assert f"{cfg.max_position_embeddings} tokens x {cfg.num_kv_heads} kv heads" in caplog.text, caplog.text
 
 
@@ -446,7 +446,7 @@ def test_cpu_kv_pool_is_resident_only_where_written_and_refused_past_available_m
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     pages = (2 << 30) // (per_token * 16)
     before = _resident_bytes()
-    kv = KVPool.for_model(cfg, pages, 16, torch.float32, torch.device("cpu"), layout="hnd")
+    kv = KVPool.for_model(cfg, pages, 16, torch.device("cpu"), layout="hnd")
     assert kv.nbytes >= 1.9 * 2**30
     assert _resident_bytes() - before < 64 << 20, (_resident_bytes() - before) / 2**20
     assert not kv.k[:, :, -1000:].any() and not kv.v[:, :, :1000].any()  # zeros where never written
@@ -463,5 +463,5 @@ def test_cpu_kv_pool_is_resident_only_where_written_and_refused_past_available_m
     assert avail is not None
     too_many = avail // (per_token * 16) + 16  # just past what the machine can hold
     with pytest.raises(RuntimeError) as e:
-        KVPool.for_model(cfg, too_many, 16, torch.float32, torch.device("cpu"))
+        KVPool.for_model(cfg, too_many, 16, torch.device("cpu"))
     assert "MemAvailable" in str(e.value) and f"{too_many * 16} tokens" in str(e.value), str(e.value)

@@ -217,8 +217,8 @@ def test_the_kv_budget_counts_the_drafts_bytes_per_page(tiny_model):
     per_token = cfg.kv_bytes_per_token()
     gb = 1000 * 16 * per_token / 2**30  # 1000 pages of the target alone
     cpu = torch.device("cpu")
-    assert pages_for_budget(cfg, 16, cfg.dtype, None, gb, 0.9, cpu) == 1000
-    assert pages_for_budget(cfg, 16, cfg.dtype, None, gb, 0.9, cpu, draft_bytes_per_token=per_token) == 500
+    assert pages_for_budget(cfg, 16, None, gb, 0.9, cpu) == 1000
+    assert pages_for_budget(cfg, 16, None, gb, 0.9, cpu, draft_bytes_per_token=per_token) == 500
 
 
 # ---- a real server --------------------------------------------------------------

@@ -97,12 +97,12 @@ def test_the_kv_budget_decides_the_page_count(tiny_models):
     head_dim x itemsize x page_size), and the pool tensors are that size."""
     cfg = load_config(tiny_models["llama"])
     cpu = torch.device("cpu")
-    assert pages_for_budget(cfg, 16, torch.float32, 77, 2.0, 0.9, cpu) == 77
+    assert pages_for_budget(cfg, 16, 77, 2.0, 0.9, cpu) == 77
     per_page = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * 16
-    n = pages_for_budget(cfg, 16, torch.float32, None, 0.01, 0.9, cpu)
+    n = pages_for_budget(cfg, 16, None, 0.01, 0.9, cpu)
     assert n == int(0.01 * 2**30 // per_page)
-    pool = KVPool.for_model(cfg, n, 16, torch.float32, cpu)
+    pool = KVPool.for_model(cfg, n, 16, cpu)
     pool.check_integrity()
     assert pool.nbytes == n * per_page
     with pytest.raises(RuntimeError, match="kv-cache-gb"):
-        pages_for_budget(cfg, 16, torch.float32, None, 1e-9, 0.9, cpu)
+        pages_for_budget(cfg, 16, None, 1e-9, 0.9, cpu)

@@ -16,6 +16,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ class ModelConfig:
     sliding_window: Optional[int]
     dtype: torch.dtype
     eos_token_ids: list[int] = field(default_factory=list)
+    kv_dtype: Optional[torch.dtype] = None  # --kv-cache-dtype; None: the model's dtype
 
     @property
     def rope_type(self) -> str:
@@ -68,8 +70,17 @@ class ModelConfig:
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """What the KV pool stores: --kv-cache-dtype, else the model's dtype."""
+        return self.kv_dtype or self.dtype
+
+    @property
+    def cache_dtype_name(self) -> str:
+        return str(self.cache_dtype).removeprefix("torch.")
+
     def kv_bytes_per_token(self, dtype: Optional[torch.dtype] = None) -> int:
-        itemsize = torch.empty((), dtype=dtype or self.dtype).element_size()
+        itemsize = torch.empty((), dtype=dtype or self.cache_dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
     def check_integrity(self) -> None:
@@ -151,9 +162,17 @@ def _gguf_config(model_path: str) -> tuple[dict, list[int]]:
         raise UnsupportedModel(str(e), e.field) from None
 
 
-def load_config(model_path: str, dtype: str = "auto") -> ModelConfig:
+def load_config(model_path: str, dtype: str = "auto", kv_cache_dtype: str = "auto") -> ModelConfig:
     """The checkpoint's config, validated whole against its tensors and tokenizer
-    (checkpoint/validate.py) before anything is allocated from it."""
+    (checkpoint/validate.py) before anything is allocated from it. `kv_cache_dtype`
+    (--kv-cache-dtype): what the KV pool stores, "auto" = the model's dtype."""
+    cfg = _load_config(model_path, dtype)
+    if kv_cache_dtype not in ("auto", cfg.dtype_name):
+        cfg = dataclasses.replace(cfg, kv_dtype=getattr(torch, kv_cache_dtype))
+    return cfg
+
+
+def _load_config(model_path: str, dtype: str) -> ModelConfig:
     from ferroxmp.checkpoint.validate import validated_folder
     if is_gguf(model_path):
         raw, eos_ids = _gguf_config(model_path)

@@ -33,7 +33,7 @@ from ferroxmp.gpu_worker.attention import PlanError, backend_layout, make_backen
 from ferroxmp.gpu_worker.sampling.draft_model import DraftModel
 from ferroxmp.gpu_worker.sampling.ngram import Backoff, propose
 from ferroxmp.gpu_worker.isolation import fail_batch, skip_failed
-from ferroxmp.gpu_worker.kv.pool import KVPool
+from ferroxmp.gpu_worker.kv.pool import KVPool, check_cache_dtype
 from ferroxmp.gpu_worker.loader import ModelConfig, load_config, load_weights, resolve_device
 from ferroxmp.gpu_worker.models import build_model
 from ferroxmp.gpu_worker.pooling import MODES as POOLING_MODES, Pooled, normed
@@ -78,9 +78,10 @@ class ModelRunner:
                  dtype: str = "auto", attention: str = "auto", tp=None, deterministic: bool = False,
                  cuda_graph: bool = True, keep_logits: bool = False, quantization: str = "auto",
                  draft_model: Optional[str] = None, draft_quantization: str = "auto",
-                 fused_decode: bool = True):
+                 fused_decode: bool = True, kv_cache_dtype: str = "auto"):
         self.device = resolve_device(device)
-        self.config: ModelConfig = load_config(model_path, dtype)
+        self.config: ModelConfig = load_config(model_path, dtype, kv_cache_dtype)
+        check_cache_dtype(self.config, self.device, deterministic)
         # --quantization: 'none', 'fp16', 'int8' or 'int4' for this checkpoint and device (quant/policy.py)
         self.quantization = resolve_mode(quantization, model_path, self.device, deterministic)
         self.tp = tp  # --tp > 1: a tp_step.Leader, which tells the other ranks each step
@@ -132,10 +133,9 @@ class ModelRunner:
         layout = backend_layout(self.device, self._attention)
         if self.drafter is not None:
             self.drafter.attach(pool.num_pages, self.page_size, layout)
-        self.kv = KVPool.for_model(self._shape, pool.num_pages + graphs, self.page_size,
-                                   self.config.dtype, self.device, layout=layout)
+        self.kv = KVPool.for_model(self._shape, pool.num_pages + graphs, self.page_size, self.device, layout=layout)
         self.attn = make_backend(self.kv, self.config.sliding_window, self.device, self._attention,
-                                 num_heads=self._shape.num_heads)
+                                 num_heads=self._shape.num_heads, dtype=self.config.dtype)
         self.graphs = self._decode_graphs(pool) if graphs else None
         if not self._fused_decode:
             self.model.fused_decode, why = None, "--disable-fused-decode"
@@ -146,7 +146,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             log.info("decode steps of 1-%d rows: %s", FUSED_ROWS,
                      "fused (one native call)" if why is None else f"eager ({why})")
-        log.info("memory: %s", describe_bytes(self.model.weight_bytes(), self.kv.nbytes))
+        log.info("memory: %s", describe_bytes(self.model.weight_bytes(), self.kv.nbytes, self._shape.cache_dtype_name))
         return self
 
     def idle(self) -> None:
@@ -160,7 +160,8 @@ class ModelRunner:
         """Resident weight bytes by format and the KV pool's bytes (this rank's), for /server_info."""
         weights = self.model.weight_bytes()
         info = {"quantization": self.quantization, "weight_bytes": sum(weights.values()),
-                "weight_bytes_by_format": weights, "kv_bytes": self.kv.nbytes}
+                "weight_bytes_by_format": weights, "kv_bytes": self.kv.nbytes,
+                "kv_dtype": self._shape.cache_dtype_name, "kv_tokens": self.kv.num_slots}
         if self.drafter is not None:
             info["draft"] = self.drafter.memory_info()
         return info

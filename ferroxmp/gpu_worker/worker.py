@@ -85,7 +85,7 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
         from ferroxmp.tiny_model import ensure_demo_model
         model_path = ensure_demo_model()
     device = resolve_device(sa.device)
-    cfg = load_config(model_path, sa.dtype)
+    cfg = load_config(model_path, sa.dtype, sa.kv_cache_dtype)
     dtype_reason = cpu_dtype.LAST.reason if cpu_dtype.LAST is not None else cfg.dtype_name
     emulated = device.type == "cpu" and cpu_dtype.half_is_emulated(cfg.dtype)
     log.log(logging.WARNING if emulated else logging.INFO, "serving in %s", dtype_reason)
@@ -162,7 +162,7 @@ def _pool_and_runner(sa: ServerArgs, cfg, shape, model_path: str, pool_name: str
     runner_args = dict(device=sa.device, dtype=sa.dtype, tp=leader, deterministic=sa.deterministic,
                        cuda_graph=not sa.disable_cuda_graph, quantization=sa.quantization,
                        draft_model=sa.draft_model, draft_quantization=sa.draft_quantization,
-                       fused_decode=not sa.disable_fused_decode)
+                       fused_decode=not sa.disable_fused_decode, kv_cache_dtype=sa.kv_cache_dtype)
     table = dict(max_rows=sa.max_running_requests, max_pages_per_row=max_pages_per_row)
     by_memory = device.type == "cuda" and sa.kv_pages is None  # else the size is given (pages or GiB)
     if by_memory and leader is None:
@@ -181,14 +181,14 @@ def _pool_and_runner(sa: ServerArgs, cfg, shape, model_path: str, pool_name: str
         pool = PagePool.create(kvb.pages, name=pool_name, **table)
         return _unlink_on_error(pool, lambda: runner.attach_pool(pool, cuda_graph=runner_args["cuda_graph"]))
     if by_memory:
-        kvb = cuda_kv_budget(shape, cfg.dtype, sa.page_size, sa.mem_fraction, sa.max_batch_tokens,
+        kvb = cuda_kv_budget(shape, shape.cache_dtype, sa.page_size, sa.mem_fraction, sa.max_batch_tokens,
                              sa.max_running_requests, weight_bytes(model_path, cfg.dtype) // sa.tp, device)
         log.info("%s", kvb.describe())
         num_pages = kvb.pages
     else:
         # --draft-model: its KV takes each page too (same pages, its own tensors)
         draft = load_config(sa.draft_model, sa.dtype).kv_bytes_per_token() if sa.draft_model else 0
-        num_pages = pages_for_budget(shape, sa.page_size, cfg.dtype, sa.kv_pages, sa.kv_cache_gb,
+        num_pages = pages_for_budget(shape, sa.page_size, sa.kv_pages, sa.kv_cache_gb,
                                      sa.mem_fraction, device, draft_bytes_per_token=draft)
     if leader is not None:
         from ferroxmp.gpu_worker.parallel import step as tp_step

@@ -17,6 +17,11 @@ How (and why this is the fast exact path on CPU):
   budget) they are gathered from the pool once per layer into a reused buffer. Keys past
   the longest row's position are not read; the padding mask is built once per step,
   and skipped when every row reads exactly its span.
+- --kv-cache-dtype float16/bfloat16 (a pool narrower than the model's dtype): the step's
+  K/V are rounded to the pool's dtype before anything reads them, so what attention
+  sees of a position is the same whether it was computed this step or read back from
+  the pool (warm == cold still holds); gathered K/V are widened to the model's dtype,
+  and the decode mirror holds the widened values.
 - A chunk from position 0 with no window in the way uses SDPA's own causal path (no
   mask, upper blocks skipped); a chunk on top of earlier positions (adopted or earlier
   chunks) gets an explicit mask. Both add exactly 0 for visible keys and drop hidden
@@ -61,10 +66,12 @@ class _Decode:
 class TorchBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, kv, window: Optional[int], num_heads: Optional[int] = None):
+    def __init__(self, kv, window: Optional[int], num_heads: Optional[int] = None,
+                 dtype: Optional[torch.dtype] = None):
         if kv.layout != "hnd":
             raise ValueError("the torch backend needs the KV pool in the 'hnd' layout")
         super().__init__(kv, window, num_heads)
+        self.dtype = dtype or kv.dtype  # the model's: what attention computes in
         self.write_slots: Optional[torch.Tensor] = None
         self.decode: Optional[_Decode] = None
         self.chunks: list[_Chunk] = []
@@ -75,7 +82,7 @@ class TorchBackend(AttentionBackend):
         # Decoding rows' K/V kept contiguous between steps (no gather at all), within the
         # pool's own size; models with a sliding window gather.
         self.mirror = None if window is not None else DecodeMirror(
-            kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype, kv.device, budget_bytes=kv.nbytes)
+            kv.num_layers, kv.num_kv_heads, kv.head_dim, self.dtype, kv.device, budget_bytes=kv.nbytes)
 
     def forget(self, row: int) -> None:
         if self.mirror is not None:
@@ -181,11 +188,17 @@ class TorchBackend(AttentionBackend):
         od = od.reshape(b, heads, dim)
         return od if d.by_slot is None else od.index_select(0, d.slots)
 
+    def _widen(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.dtype == self.dtype else t.to(self.dtype)
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv = self.kv
         K, V = kv.k[layer], kv.v[layer]  # [KVH, slots, D]
+        if kv.dtype != k.dtype:  # --kv-cache-dtype: every reader sees the stored (rounded) values
+            k, v = k.to(kv.dtype), v.to(kv.dtype)
         K.index_copy_(1, self.write_slots, k.transpose(0, 1))
         V.index_copy_(1, self.write_slots, v.transpose(0, 1))
+        k, v = self._widen(k), self._widen(v)
         heads, kvh, dim = q.shape[1], kv.num_kv_heads, kv.head_dim
         Kp = K.view(kvh, kv.num_pages, kv.page_size, dim)
         Vp = V.view(kvh, kv.num_pages, kv.page_size, dim)
@@ -195,8 +208,8 @@ class TorchBackend(AttentionBackend):
             outs.append(self._forward_mirror(layer, d, q, k, v))
         elif d is not None:
             shape = (kvh, d.n_rows, d.n_pages * kv.page_size, dim)
-            kd = self._gather(Kp, d.pages, 0).view(shape).transpose(0, 1)[:, :, :d.span]
-            vd = self._gather(Vp, d.pages, 1).view(shape).transpose(0, 1)[:, :, :d.span]
+            kd = self._widen(self._gather(Kp, d.pages, 0).view(shape).transpose(0, 1)[:, :, :d.span])
+            vd = self._widen(self._gather(Vp, d.pages, 1).view(shape).transpose(0, 1)[:, :, :d.span])
             qd = q[:d.n_rows].view(d.n_rows, kvh, heads // kvh, dim)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask)
             outs.append(od.reshape(d.n_rows, heads, dim))
@@ -205,8 +218,8 @@ class TorchBackend(AttentionBackend):
                 kc, vc = Kp[:, c.run[0]:c.run[1]], Vp[:, c.run[0]:c.run[1]]
             else:
                 kc, vc = self._gather(Kp, c.pages, 0), self._gather(Vp, c.pages, 1)
-            kc = kc.reshape(1, kvh, -1, dim)[:, :, :c.span]
-            vc = vc.reshape(1, kvh, -1, dim)[:, :, :c.span]
+            kc = self._widen(kc.reshape(1, kvh, -1, dim)[:, :, :c.span])
+            vc = self._widen(vc.reshape(1, kvh, -1, dim)[:, :, :c.span])
             qc = q[c.begin:c.end].transpose(0, 1).unsqueeze(0)  # [1, H, len, D]
             oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, is_causal=c.mask is None,
                                                 enable_gqa=heads != kvh)

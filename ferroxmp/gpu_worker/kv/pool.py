@@ -101,9 +101,11 @@ class KVPool:
                                "--kv-pages / --kv-cache-gb / --mem-fraction") from None
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, num_pages: int, page_size: int,
-                  dtype: torch.dtype, device: torch.device, layout: str = "nhd") -> "KVPool":
-        return cls(num_pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device, layout)
+    def for_model(cls, cfg: ModelConfig, num_pages: int, page_size: int, device: torch.device,
+                  layout: str = "nhd") -> "KVPool":
+        """The pool of `cfg`'s KV geometry, storing `cfg.cache_dtype` (--kv-cache-dtype)."""
+        return cls(num_pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.cache_dtype,
+                   device, layout)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -138,7 +140,23 @@ class KVPool:
         assert self.k.is_contiguous() and self.v.is_contiguous()
 
 
-def pages_for_budget(cfg: ModelConfig, page_size: int, dtype: torch.dtype, kv_pages: Optional[int],
+def check_cache_dtype(cfg: ModelConfig, device: torch.device, deterministic: bool = False) -> None:
+    """Refuse a --kv-cache-dtype other than the model's where no backend stores it: the
+    CPU backend (attention/cpu.py) and the fused decode step store float16/bfloat16 and
+    widen what they read; CUDA's kernels and the --deterministic backend read the pool in
+    the model's dtype."""
+    if cfg.kv_dtype is None or cfg.kv_dtype == cfg.dtype:
+        return
+    where = ("on CUDA (its attention kernels read the pool in the model's dtype)" if device.type != "cpu" else
+             "with --deterministic (its attention reads the pool in the model's dtype)" if deterministic else None)
+    if where is None and cfg.kv_dtype.itemsize > cfg.dtype.itemsize:
+        where = f"wider than the model's {cfg.dtype_name} (it would only cost memory)"
+    if where is not None:
+        raise ValueError(f"--kv-cache-dtype {cfg.cache_dtype_name} is not supported {where}; "
+                         f"use --kv-cache-dtype auto")
+
+
+def pages_for_budget(cfg: ModelConfig, page_size: int, kv_pages: Optional[int],
                      kv_cache_gb: float, mem_fraction: float, device: torch.device,
                      reserved_bytes: int = 0, context: Optional[int] = None, draft_bytes_per_token: int = 0) -> int:
     """Pages that fit: an explicit --kv-pages wins; on CPU --kv-cache-gb; on CUDA
@@ -149,8 +167,8 @@ def pages_for_budget(cfg: ModelConfig, page_size: int, dtype: torch.dtype, kv_pa
     model's) a warning; both name the sizing of one page and of one context."""
     if kv_pages is not None:
         return int(kv_pages)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    per_page = (cfg.kv_bytes_per_token(dtype) + draft_bytes_per_token) * page_size
+    itemsize = cfg.cache_dtype.itemsize
+    per_page = (cfg.kv_bytes_per_token() + draft_bytes_per_token) * page_size
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = mem_fraction * free - reserved_bytes

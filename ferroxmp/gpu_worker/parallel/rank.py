@@ -69,10 +69,10 @@ def run_follower(launch: dict, run_dir: str, rank: int) -> int:
     per_node = t["world"] // t["nnodes"]
     torch.set_num_threads(sa.worker_threads or max(1, len(os.sched_getaffinity(0)) // per_node))
     device = rank_device(sa.device, rank % per_node)
-    cfg = load_config(sa.model, sa.dtype)
+    cfg = load_config(sa.model, sa.dtype, sa.kv_cache_dtype)
     shape = Shard(cfg, rank, t["world"]).local_config
     reserved = weight_bytes(sa.model, cfg.dtype) // t["world"] if device.type == "cuda" else 0
-    num_pages = pages_for_budget(shape, sa.page_size, cfg.dtype, sa.kv_pages, sa.kv_cache_gb,
+    num_pages = pages_for_budget(shape, sa.page_size, sa.kv_pages, sa.kv_cache_gb,
                                  sa.mem_fraction, device, reserved_bytes=reserved)
     max_model_len = min(sa.max_model_len or math.inf, cfg.max_position_embeddings)
     max_pages_per_row = math.ceil(max_model_len / sa.page_size)
@@ -82,8 +82,8 @@ def run_follower(launch: dict, run_dir: str, rank: int) -> int:
         num_pages = agree_pages(tp, num_pages, sa, cfg, max_pages_per_row)
         quantization = resolve_mode(sa.quantization, sa.model, device, sa.deterministic)  # as rank 0 does
         model, shape = build_model(sa.model, cfg, device, tp, quantization)
-        kv = KVPool.for_model(shape, num_pages, sa.page_size, cfg.dtype, device, layout=backend_layout(device))
-        attn = make_backend(kv, cfg.sliding_window, device, num_heads=shape.num_heads)
+        kv = KVPool.for_model(shape, num_pages, sa.page_size, device, layout=backend_layout(device))
+        attn = make_backend(kv, cfg.sliding_window, device, num_heads=shape.num_heads, dtype=cfg.dtype)
         tp.barrier()  # every rank loaded; rank 0 created the page pool before it loaded
         if tp.node == 0:
             pool = PagePool.attach(launch["pool_name"])

@@ -19,8 +19,8 @@
    row's sums do not depend on the other rows of the step (groups.c's blocks), except that
    int4 takes another order for a step of exactly one row (row_one).
 
-   KV: row r's K/V go to the pool (layout "hnd": [layers][kv_heads][slots][head_dim]) at
-   `slot[r]`, and to the decode mirror ([layers][mirror slots][kv_heads][cap][head_dim])
+   KV: row r's K/V go to the pool (layout "hnd": [layers][kv_heads][slots][head_dim];
+   float32, or float16 under --kv-cache-dtype float16: store_kv) at `slot[r]`, and to the decode mirror ([layers][mirror slots][kv_heads][cap][head_dim])
    at position `pos[r]` of mirror slot `mslot[r]`; attention reads the mirror's positions
    0..pos[r], as attention/cpu.py's mirror path does. */
 #include <math.h>
@@ -42,11 +42,28 @@ typedef struct {
   int layers, heads, kv_heads, head_dim, hidden, inter;
   float eps;
   const Layer* layer;
-  float *pool_k, *pool_v;  /* [layers][kv_heads][slots][head_dim] */
+  void *pool_k, *pool_v;  /* [layers][kv_heads][slots][head_dim], float32 or (kv_f16) float16 */
   int64_t pool_slots;
   float *mir_k, *mir_v;    /* [layers][mirror slots][kv_heads][cap][head_dim] */
   int64_t mir_slots, mir_cap;
+  int kv_f16;              /* --kv-cache-dtype float16 */
 } Model;
+
+/* One head's K or V (n values) into the pool at element `at`. A float16 pool gets them
+   rounded to nearest even (torch's conversion, which the eager path uses), and x is left
+   holding the rounded values: the mirror and this step's attention read what the pool
+   will give back on a later step (attention/cpu.py does the same). */
+static void store_kv(const Model* M, void* pool, int64_t at, float* x, int n) {
+  if (!M->kv_f16) {
+    memcpy((float*)pool + at, x, n * sizeof(float));
+    return;
+  }
+  uint16_t* dst = (uint16_t*)pool + at;
+  for (int i = 0; i < n; i++) {
+    dst[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+    x[i] = _cvtsh_ss(dst[i]);
+  }
+}
 
 /* y[R][n] = x[R][k] W^T (+ bias). xs: the int4 kernel's [k / 32] scratch for one row. */
 static void lin(const Lin* w, int R, const float* x, float* y, float* xs) {
@@ -186,8 +203,8 @@ void fused_decode(const Model* M, int R, float* h, const float* cos, const float
       for (int j = 0; j < KVH; j++) rope(k + j * D, c, s, D);
       int64_t ml = ((int64_t)l * M->mir_slots + mslot[r]) * KVH * M->mir_cap * D;
       for (int j = 0; j < KVH; j++) {
-        memcpy(M->pool_k + pl + ((int64_t)j * M->pool_slots + slot[r]) * D, k + j * D, D * sizeof(float));
-        memcpy(M->pool_v + pl + ((int64_t)j * M->pool_slots + slot[r]) * D, v + j * D, D * sizeof(float));
+        store_kv(M, M->pool_k, pl + ((int64_t)j * M->pool_slots + slot[r]) * D, k + j * D, D);
+        store_kv(M, M->pool_v, pl + ((int64_t)j * M->pool_slots + slot[r]) * D, v + j * D, D);
         memcpy(M->mir_k + ml + ((int64_t)j * M->mir_cap + pos[r]) * D, k + j * D, D * sizeof(float));
         memcpy(M->mir_v + ml + ((int64_t)j * M->mir_cap + pos[r]) * D, v + j * D, D * sizeof(float));
       }

@@ -43,7 +43,8 @@ class _Model(ctypes.Structure):
     _fields_ = [("layers", c_int), ("heads", c_int), ("kv_heads", c_int), ("head_dim", c_int),
                 ("hidden", c_int), ("inter", c_int), ("eps", c_float), ("layer", POINTER(_Layer)),
                 ("pool_k", c_void_p), ("pool_v", c_void_p), ("pool_slots", c_int64),
-                ("mir_k", c_void_p), ("mir_v", c_void_p), ("mir_slots", c_int64), ("mir_cap", c_int64)]
+                ("mir_k", c_void_p), ("mir_v", c_void_p), ("mir_slots", c_int64), ("mir_cap", c_int64),
+                ("kv_f16", c_int)]
 
 
 def _addr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -89,7 +90,8 @@ class FusedDecode:
         self._layers = layers
         self.m = _Model(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
                         cfg.intermediate_size, cfg.rms_norm_eps, layers,
-                        kv.k.data_ptr(), kv.v.data_ptr(), kv.num_slots, None, None, 0, 0)
+                        kv.k.data_ptr(), kv.v.data_ptr(), kv.num_slots, None, None, 0, 0,
+                        int(kv.dtype == torch.float16))
         self._scratch = torch.empty(0)
         self.max_rows = FUSED_ROWS  # steps of more rows run eagerly
 
@@ -100,8 +102,10 @@ class FusedDecode:
         weights = [w for L in model.layers for w in (L.w_qkv, L.w_o, L.w_gate_up, L.w_down)]
         if not all(_fits(w) for w in weights):
             return "its linear weights are not all int4/int8 groups or float32 rows of whole groups of 32"
-        if cfg.dtype != torch.float32 or kv.dtype != torch.float32 or kv.device.type != "cpu":
+        if cfg.dtype != torch.float32 or kv.device.type != "cpu":
             return "it computes in float32 on CPU only"
+        if kv.dtype not in (torch.float32, torch.float16):
+            return f"it stores K/V as float32 or float16, not {kv.dtype}"
         if model.linear not in (linear, cpu_f32_linear):
             return "the model's matmuls are replaced (--deterministic)"
         if attn.mirror is None or kv.layout != "hnd":

@@ -131,9 +131,9 @@ def tensor_bytes(tensors: Iterable) -> dict[str, int]:
     return dict(out)
 
 
-def describe_bytes(weights: dict[str, int], kv_bytes: int) -> str:
+def describe_bytes(weights: dict[str, int], kv_bytes: int, kv_dtype: str = "") -> str:
     parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(weights.items()))
-    return f"weights {sum(weights.values()) / 2**20:.1f} MiB ({parts}); KV pool {kv_bytes / 2**20:.1f} MiB"
+    return f"weights {sum(weights.values()) / 2**20:.1f} MiB ({parts}); KV pool {kv_bytes / 2**20:.1f} MiB {kv_dtype}".rstrip()
 
 
 def log_gguf_conversions(g, mode: str) -> None:

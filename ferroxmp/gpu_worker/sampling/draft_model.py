@@ -81,7 +81,7 @@ class DraftModel:
     def attach(self, num_pages: int, page_size: int, layout: str) -> None:
         """KV tensors with the target pool's pages (dropping any earlier ones first)."""
         self.kv = self.attn = None
-        self.kv = KVPool.for_model(self.config, num_pages, page_size, self.config.dtype, self.device, layout)
+        self.kv = KVPool.for_model(self.config, num_pages, page_size, self.device, layout)
         self.attn = make_backend(self.kv, self.config.sliding_window, self.device, self._attention,
                                  num_heads=self.config.num_heads)
         log.info("draft model memory: %s", describe_bytes(self.model.weight_bytes(), self.kv.nbytes))
