@@ -205,6 +205,12 @@ rss_mb() {  # PID...: resident MiB summed over the processes
     echo $((kb / 1024))
 }
 
+pss_mb() {  # PID...: proportional set size summed (a page shared by n of them counts 1/n each)
+    local kb=0 pid
+    for pid in "$@"; do kb=$((kb + $(awk '/^Pss:/{print $2}' "/proc/$pid/smaps_rollup" 2>/dev/null || echo 0))); done
+    echo $((kb / 1024))
+}
+
 section_quant() {  # issue 30: one server at a time on the same GGUF, per --quantization, and llama-server
     local gguf=${GGUF:-$("$PY" -c "from ferroxmp.checkpoint.default_model import default_model_path as p; print(p())")}
     local W=("$PY" tools/bench_serving.py --base-url "http://127.0.0.1:$A_PORT" --workload random
@@ -222,9 +228,9 @@ section_quant() {  # issue 30: one server at a time on the same GGUF, per --quan
         measure "quant_${mode}_1" "${W[@]}" --num-prompts 8 --max-concurrency 1 --out "$OUT/quant_${mode}_1.json"
         measure "quant_${mode}_16" "${W[@]}" --num-prompts 32 --max-concurrency 16 --out "$OUT/quant_${mode}_16.json"
         local after idle
-        after="resident $(rss_mb $pids) MiB (frontend+scheduler+worker); worker $(rss_mb "${pids##* }") MiB"
+        after="resident $(rss_mb $pids) MiB (frontend+scheduler+worker; PSS $(pss_mb $pids)); worker $(rss_mb "${pids##* }") MiB"
         sleep 2  # the worker gives back what it keeps only for speed after 0.5 s without work
-        idle="2 s later (idle): $(rss_mb $pids) MiB; worker $(rss_mb "${pids##* }") MiB"
+        idle="2 s later (idle): $(rss_mb $pids) MiB (PSS $(pss_mb $pids)); worker $(rss_mb "${pids##* }") MiB"
         echo "quant $mode: $after; $idle;" \
              "$(curl -s "http://127.0.0.1:$A_PORT/server_info" | "$PY" -c "import json,sys; print(json.load(sys.stdin)['worker_info']['memory'])")" \
             | tee "$OUT/quant_${mode}_memory.txt"
@@ -238,9 +244,9 @@ section_quant() {  # issue 30: one server at a time on the same GGUF, per --quan
     measure quant_llama_1 "${W[@]}" --no-server-metrics --num-prompts 8 --max-concurrency 1 --out "$OUT/quant_llama_1.json"
     measure quant_llama_16 "${W[@]}" --no-server-metrics --num-prompts 32 --max-concurrency 16 --out "$OUT/quant_llama_16.json"
     local now
-    now=$(rss_mb "${PIDS[-1]}")
+    now="$(rss_mb "${PIDS[-1]}") MiB (PSS $(pss_mb "${PIDS[-1]}"))"
     sleep 2
-    echo "quant llama-server: resident $now MiB; 2 s later (idle): $(rss_mb "${PIDS[-1]}") MiB" \
+    echo "quant llama-server: resident $now; 2 s later (idle): $(rss_mb "${PIDS[-1]}") MiB" \
         | tee "$OUT/quant_llama_memory.txt"
     stop_all
 }

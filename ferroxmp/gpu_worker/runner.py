@@ -40,7 +40,7 @@ from ferroxmp.gpu_worker.pooling import MODES as POOLING_MODES, Pooled, normed
 from ferroxmp.gpu_worker.quant import describe_bytes, resolve_mode
 from ferroxmp.gpu_worker.quant.native import available as native_available
 from ferroxmp.gpu_worker.quant.fused_decode import FUSED_ROWS, FusedDecode
-from ferroxmp.gpu_worker.quant.packed import cpu_f32_linear
+from ferroxmp.gpu_worker.quant.packed import cpu_f32_linear, release_freed_memory
 from ferroxmp.gpu_worker.sampling.sampler import RowSample, logprobs_of, sample, sample_rows
 
 if TYPE_CHECKING:  # llguidance (grammar.py) loads on the first constrained request
@@ -151,10 +151,15 @@ class ModelRunner:
 
     def idle(self) -> None:
         """The worker had no batch for a poll interval: the backends give back what they
-        keep between steps only for speed (the CPU decode mirror)."""
+        keep between steps only for speed (the CPU decode mirror), and the heap's freed
+        pages go back to the OS: a load's activations (tens of MB a prefill step) are freed
+        into glibc's heap, which keeps them resident otherwise (~40 MB after a 16-user
+        load of SmolLM2, docs/BENCHMARKS.md 23)."""
         self.attn.idle()
         if self.drafter is not None:
             self.drafter.idle()
+        if self.device.type == "cpu":
+            release_freed_memory()
 
     def memory_info(self) -> dict:
         """Resident weight bytes by format and the KV pool's bytes (this rank's), for /server_info."""
