@@ -79,6 +79,23 @@ def test_decoding_rows_in_one_call_give_the_eager_steps_tokens_and_logits(tiny_m
     assert got == want
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+def test_rows_whose_pages_are_scattered_over_the_pool_read_their_own(tiny_models, make_harness, kv_cache_dtype):
+    """The fused step reads each row's K/V through its page list (as pages grown one at a
+    time by concurrent rows are: row r's j-th page is j * rows + r), not as one run."""
+    got = {}
+    for fused in (True, False):
+        h = make_harness(tiny_models["llama"], page_size=4, max_rows=3, pages_per_row=64, quantization="int8",
+                         fused_decode=fused, kv_cache_dtype=kv_cache_dtype)
+        for r in range(3):
+            h.pool.set_row(r, [j * 3 + r for j in range(64)], 0)
+        got[fused] = _drive(h)
+    assert got[True][2] == [1] * 7 + [2] * 3 + [3] * 3
+    assert got[True][0] == got[False][0]
+    for g, w in zip(got[True][1], got[False][1]):
+        assert (g - w).abs().max() <= 1e-4 * w.abs().max(), (g - w).abs().max()
+
+
 def test_past_fused_rows_a_decode_step_runs_eagerly_with_the_same_tokens(tiny_models, make_harness):
     """A step of more rows than the fused step takes (its limit lowered to 2 here; 16 in
     service) runs eagerly, and the tokens stay those of the eager runner."""
@@ -122,16 +139,17 @@ def test_where_it_cannot_run_the_step_stays_eager_and_says_why(tiny_models, make
     det = make_harness(tiny_models["llama"], quantization="none", deterministic=True)
     assert det.runner.model.fused_decode is None
     assert "--deterministic" in FusedDecode.why_not(det.runner.model, det.runner.kv, det.runner.attn)
-    window = make_harness(tiny_models["mistral"], quantization="int4")  # a sliding window: no decode mirror
+    window = make_harness(tiny_models["mistral"], quantization="int4")
     assert window.runner.model.fused_decode is None
-    assert "mirror" in FusedDecode.why_not(window.runner.model, window.runner.kv, window.runner.attn)
+    assert "sliding window" in FusedDecode.why_not(window.runner.model, window.runner.kv, window.runner.attn)
 
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_an_idle_worker_gives_the_mirror_back_and_the_next_steps_are_unchanged(tiny_models, make_harness, fused):
     """runner.idle() (the worker calls it after a poll interval without work) drops the
     decode mirror's memory; the rows are refilled from the pool at the next step, so the
-    tokens and the logits are those of a run that never went idle, to the bit."""
+    tokens and the logits are those of a run that never went idle, to the bit. Fused
+    steps read the pool's pages and never fill the mirror."""
     runs = {}
     for idle in (False, True):
         h = make_harness(tiny_models["llama"], page_size=4, max_rows=2, pages_per_row=64, quantization="none",
@@ -141,7 +159,10 @@ def test_an_idle_worker_gives_the_mirror_back_and_the_next_steps_are_unchanged(t
         for i in range(7):
             if idle and i == 4:
                 mirror = h.runner.attn.mirror
-                assert mirror.k.numel() > 0 and mirror.held == {0: len(p) + 3}, "the mirror held nothing to give back"
+                if fused:
+                    assert mirror.k.numel() == 0 and not mirror.held, "a fused step filled the mirror"
+                else:
+                    assert mirror.k.numel() > 0 and mirror.held == {0: len(p) + 3}, "nothing to give back"
                 h.runner.idle()
                 assert h.runner.attn.mirror.k.numel() == 0 and not h.runner.attn.mirror.held
             steps = [RowStep(0, 0, len(p), True)] if i == 0 else [RowStep(0, len(p) + i - 1, 1, True)]

@@ -108,7 +108,7 @@ class RunnerBench:
 
     def __init__(self, path: str, rows: int, max_len: int, page_size: int, consecutive: bool,
                  attention: str, decode_path: str = "auto", quantization: str = "auto",
-                 fused_decode: bool = True):
+                 fused_decode: bool = True, kv_cache_dtype: str = "auto"):
         from ferroxmp.gpu_worker.runner import ModelRunner
         per_row = -(-max_len // page_size)
         self.pool = PagePool.create(num_pages=per_row * rows, max_rows=rows, max_pages_per_row=per_row)
@@ -116,6 +116,8 @@ class RunnerBench:
         kw["quantization"] = quantization
         if not fused_decode:  # only when asked: older runners lack the argument
             kw["fused_decode"] = False
+        if kv_cache_dtype != "auto":
+            kw["kv_cache_dtype"] = kv_cache_dtype
         self.runner = ModelRunner(path, self.pool, page_size, device="cpu", **kw)
         if decode_path == "gather" and getattr(self.runner.attn, "mirror", None) is not None:
             self.runner.attn.mirror = None  # the fallback: gather each row's pages every layer
@@ -140,11 +142,11 @@ class RunnerBench:
 
 def bench(path: str, batches: list[int], contexts: list[int], prefills: list[int], steps: int,
           page_size: int, consecutive: bool, attention: str, decode_path: str = "auto",
-          quantization: str = "auto", fused_decode: bool = True) -> dict:
+          quantization: str = "auto", fused_decode: bool = True, kv_cache_dtype: str = "auto") -> dict:
     max_b = max(batches)
     max_len = max(contexts + prefills) + steps + 4
     rb = RunnerBench(path, max_b, max_len, page_size, consecutive, attention, decode_path, quantization,
-                     fused_decode)
+                     fused_decode, kv_cache_dtype)
     try:
         model, vocab = rb.runner.model, rb.runner.config.vocab_size
         g = torch.Generator().manual_seed(0)
@@ -236,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", default="auto", help="the runner's --quantization (a GGUF: fp16 under auto)")
     p.add_argument("--disable-fused-decode", action="store_true",
                    help="the runner's --disable-fused-decode (a single int4/int8 row's step eager)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the runner's --kv-cache-dtype")
     p.add_argument("--transformers", action="store_true", help="also time transformers' forward at --contexts[0]")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
@@ -251,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             path = build_model(a.shape, os.path.join(tmp, a.shape))
         results = {"runner_vs_floor": bench(path, batches, contexts, prefills, a.steps, a.page_size,
                                             a.consecutive, a.attention, a.decode_path, a.quantization,
-                                            not a.disable_fused_decode)}
+                                            not a.disable_fused_decode, a.kv_cache_dtype)}
         if a.transformers:
             results["transformers"] = bench_transformers(path, contexts[0], batches, a.steps)
     cpu = os.times()

@@ -23,7 +23,6 @@ protocol.Stats.generation_tokens, protocol.Stats.worker_busy_seconds, protocol.S
 protocol.Stats.kv_hit_tokens_pool
 # The resource tracker's register(name, rtype) signature, replaced by a no-op.
 rtype
-# Fields of the ctypes struct fused_decode.c reads (set per call), and the layer array the
-# struct points at (kept alive by this reference: ctypes holds only the address).
-fused_decode.FusedDecode._layers, fused_decode._Model.mir_k, fused_decode._Model.mir_v
-fused_decode._Model.mir_slots, fused_decode._Model.mir_cap
+# The layer array the ctypes struct of fused_decode.c points at (kept alive by this
+# reference: ctypes holds only the address).
+fused_decode.FusedDecode._layers

@@ -161,9 +161,9 @@ class AttentionBackend:
         """No step for a while: give back memory kept between steps only for speed."""
 
     def fused_decode_target(self):
-        """(pool slots, mirror slots, mirror) when every row of this step decodes one token
-        and the decode mirror holds their K/V (quant/fused_decode.py can run the step in
-        one call), else None."""
+        """(pool slots, page offsets [R + 1], pages) when every row of this step decodes
+        one token (quant/fused_decode.py can run the step in one call, reading each row's
+        pages), else None."""
         return None
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -76,13 +76,16 @@ class TorchBackend(AttentionBackend):
         self.decode: Optional[_Decode] = None
         self.chunks: list[_Chunk] = []
         self._fused: Optional[tuple] = None  # fused_decode_target(): set by prepare
+        self._deferred: Optional[StepPlan] = None  # a decode-only step's plan, until it runs eagerly
         # Gathered K/V land in one buffer reused by every layer and step: a fresh tensor of
         # tens of MB per gather is a fresh mmap, and its page faults cost more than the copy.
         self._scratch = torch.empty(0, dtype=kv.dtype, device=kv.device)
         # Decoding rows' K/V kept contiguous between steps (no gather at all), within the
-        # pool's own size; models with a sliding window gather.
+        # pool's own count of tokens (in the mirror's dtype: a float16 pool's float32 mirror
+        # may take twice its bytes); models with a sliding window gather.
+        budget = kv.nbytes * self.dtype.itemsize // kv.dtype.itemsize
         self.mirror = None if window is not None else DecodeMirror(
-            kv.num_layers, kv.num_kv_heads, kv.head_dim, self.dtype, kv.device, budget_bytes=kv.nbytes)
+            kv.num_layers, kv.num_kv_heads, kv.head_dim, self.dtype, kv.device, budget_bytes=budget)
 
     def forget(self, row: int) -> None:
         if self.mirror is not None:
@@ -119,16 +122,22 @@ class TorchBackend(AttentionBackend):
         return ok & (key_pos > q_pos - self.window) if self.window is not None else ok
 
     def prepare(self, step: StepPlan) -> None:
-        ps = step.page_size
         self.write_slots = self._tensor(step.write_slots)
-        self.decode, self.chunks = None, []
+        self.decode, self.chunks, self._fused, self._deferred = None, [], None, None
+        b = step.n_decode
+        if b and len(step.rows) == b and self.window is None:
+            # Decode rows only: a fused step (quant/fused_decode.c) reads their pages in the
+            # pool, so the mirror is arranged only if the step runs eagerly (forward).
+            self._fused = (self.write_slots, self._tensor(step.kv_indptr), self._tensor(step.kv_pages))
+            self._deferred = step
+            return
+        self._prepare(step)
+
+    def _prepare(self, step: StepPlan) -> None:
         counts = np.diff(step.kv_indptr)
         b = step.n_decode
         if b and self.mirror is not None:
             self.decode = self._mirror_decode(step)
-        self._fused = None
-        if b and len(step.rows) == b and self.decode is not None:  # decode rows only, in the mirror
-            self._fused = (self.write_slots, self.decode.slots, self.mirror)
         if b and self.decode is None:
             n = int(counts[:b].max())
             cols = np.arange(n)[None, :]
@@ -192,6 +201,12 @@ class TorchBackend(AttentionBackend):
         return t if t.dtype == self.dtype else t.to(self.dtype)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self._deferred is not None:  # a decode-only step that did not run fused
+            # As plan() would have: outside inference mode, so that the mirror's tensors
+            # stay ordinary ones, which later plans update in place.
+            with torch.inference_mode(False):
+                self._prepare(self._deferred)
+            self._deferred = None
         kv = self.kv
         K, V = kv.k[layer], kv.v[layer]  # [KVH, slots, D]
         if kv.dtype != k.dtype:  # --kv-cache-dtype: every reader sees the stored (rounded) values

@@ -20,9 +20,11 @@
    int4 takes another order for a step of exactly one row (row_one).
 
    KV: row r's K/V go to the pool (layout "hnd": [layers][kv_heads][slots][head_dim];
-   float32, or float16 under --kv-cache-dtype float16: store_kv) at `slot[r]`, and to the decode mirror ([layers][mirror slots][kv_heads][cap][head_dim])
-   at position `pos[r]` of mirror slot `mslot[r]`; attention reads the mirror's positions
-   0..pos[r], as attention/cpu.py's mirror path does. */
+   float32, or float16 under --kv-cache-dtype float16: store_kv) at `slot[r]`, and
+   attention reads positions 0..pos[r] back from the row's pages there (the step's own
+   K/V as stored: rounded, in a float16 pool, as attention/cpu.py reads them). The decode
+   mirror is not touched: it serves the eager steps only, which refill it from the pool.
+*/
 #include <math.h>
 #include <string.h>
 #include "groups.c"
@@ -44,26 +46,22 @@ typedef struct {
   const Layer* layer;
   void *pool_k, *pool_v;  /* [layers][kv_heads][slots][head_dim], float32 or (kv_f16) float16 */
   int64_t pool_slots;
-  float *mir_k, *mir_v;    /* [layers][mirror slots][kv_heads][cap][head_dim] */
-  int64_t mir_slots, mir_cap;
+  int page_size;           /* slot = page * page_size + offset */
   int kv_f16;              /* --kv-cache-dtype float16 */
 } Model;
 
 /* One head's K or V (n values) into the pool at element `at`. A float16 pool gets them
-   rounded to nearest even (torch's conversion, which the eager path uses), and x is left
-   holding the rounded values: the mirror and this step's attention read what the pool
-   will give back on a later step (attention/cpu.py does the same). */
+   rounded to nearest even (torch's conversion, which the eager path uses). */
 static void store_kv(const Model* M, void* pool, int64_t at, float* x, int n) {
   if (!M->kv_f16) {
     memcpy((float*)pool + at, x, n * sizeof(float));
     return;
   }
   uint16_t* dst = (uint16_t*)pool + at;
-  for (int i = 0; i < n; i++) {
-    dst[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
-    x[i] = _cvtsh_ss(dst[i]);
-  }
+  for (int i = 0; i < n; i++) dst[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
 }
+
+
 
 /* y[R][n] = x[R][k] W^T (+ bias). xs: the int4 kernel's [k / 32] scratch for one row. */
 static void lin(const Lin* w, int R, const float* x, float* y, float* xs) {
@@ -133,6 +131,37 @@ static inline float exp_sum(float* p, int n, float mx) {
   return sum;
 }
 
+#ifdef __AVX512F__
+#define VLOADH(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p)))
+#else
+#define VLOADH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
+#endif
+/* q . (the pool's n values at element `at`), float32 or float16 widened. */
+static inline float dot_kv(const Model* M, const float* q, const void* pool, int64_t at, int n) {
+  if (!M->kv_f16) return dot(q, (const float*)pool + at, n);
+  const uint16_t* k = (const uint16_t*)pool + at;
+  VEC s = VZERO;
+  int i = 0;
+  for (; i + LANES <= n; i += LANES) s = VFMA(VLOAD(q + i), VLOADH(k + i), s);
+  float r = hsum(s);
+  for (; i < n; i++) r += q[i] * _cvtsh_ss(k[i]);
+  return r;
+}
+
+/* o += w * (the pool's n values at element `at`). */
+static inline void axpy_kv(const Model* M, float* o, float w, const void* pool, int64_t at, int n) {
+  VEC wv = VSET1(w);
+  int i = 0;
+  if (M->kv_f16) {
+    const uint16_t* v = (const uint16_t*)pool + at;
+    for (; i + LANES <= n; i += LANES) VSTORE(o + i, VFMA(wv, VLOADH(v + i), VLOAD(o + i)));
+    for (; i < n; i++) o[i] += w * _cvtsh_ss(v[i]);
+  } else {
+    const float* v = (const float*)pool + at;
+    for (; i + LANES <= n; i += LANES) VSTORE(o + i, VFMA(wv, VLOAD(v + i), VLOAD(o + i)));
+    for (; i < n; i++) o[i] += w * v[i];
+  }
+}
 static void rms(const float* x, const float* w, float* out, int n, float eps) {
   float s = dot(x, x, n);
   float r = 1.0f / sqrtf(s / n + eps);
@@ -175,10 +204,11 @@ int64_t fused_decode_scratch(const Model* M, int R, int64_t span) {
 }
 
 /* h [R][hidden]: the rows' embeddings in, their final hidden states out. cos/sin: the
-   model's [positions][head_dim] tables; pos, slot, mslot: each row's position, pool slot
-   and mirror slot. */
+   model's [positions][head_dim] tables; pos, slot: each row's position and pool slot;
+   pages[page_at[r] ..]: row r's pages in order (position t in page t / page_size). */
 void fused_decode(const Model* M, int R, float* h, const float* cos, const float* sin,
-                  const int64_t* pos, const int64_t* slot, const int64_t* mslot, float* scratch) {
+                  const int64_t* pos, const int64_t* slot, const int64_t* page_at, const int64_t* pages,
+                  float* scratch) {
   const int H = M->heads, KVH = M->kv_heads, D = M->head_dim, E = M->hidden, I = M->inter;
   const int G = H / KVH, QKV = (H + 2 * KVH) * D;
   const float scale = 1.0f / sqrtf((float)D);
@@ -201,36 +231,38 @@ void fused_decode(const Model* M, int R, float* h, const float* cos, const float
       }
       for (int j = 0; j < H; j++) rope(q + j * D, c, s, D);
       for (int j = 0; j < KVH; j++) rope(k + j * D, c, s, D);
-      int64_t ml = ((int64_t)l * M->mir_slots + mslot[r]) * KVH * M->mir_cap * D;
       for (int j = 0; j < KVH; j++) {
         store_kv(M, M->pool_k, pl + ((int64_t)j * M->pool_slots + slot[r]) * D, k + j * D, D);
         store_kv(M, M->pool_v, pl + ((int64_t)j * M->pool_slots + slot[r]) * D, v + j * D, D);
-        memcpy(M->mir_k + ml + ((int64_t)j * M->mir_cap + pos[r]) * D, k + j * D, D * sizeof(float));
-        memcpy(M->mir_v + ml + ((int64_t)j * M->mir_cap + pos[r]) * D, v + j * D, D * sizeof(float));
       }
     }
-    /* Attention: each row's query heads over its KV head's positions 0..pos[r], (row,
-       head) pairs in parallel once the contexts make it worth a fork. */
+    /* Attention: each row's query heads over its KV head's positions 0..pos[r], read
+       from the row's pages in the pool (a page of one head: page_size contiguous
+       positions); (row, head) pairs in parallel once the contexts make it worth a fork. */
+    const int ps = M->page_size;
     #pragma omp parallel for collapse(2) schedule(static) if (R * span >= 32)
     for (int r = 0; r < R; r++)
       for (int j = 0; j < H; j++) {
         const int n = (int)pos[r] + 1;
-        int64_t ml = ((int64_t)l * M->mir_slots + mslot[r]) * KVH * M->mir_cap * D;
-        const float* Kh = M->mir_k + ml + (int64_t)(j / G) * M->mir_cap * D;
-        const float* Vh = M->mir_v + ml + (int64_t)(j / G) * M->mir_cap * D;
+        const int64_t* pg = pages + page_at[r];
+        const int64_t head = pl + (int64_t)(j / G) * M->pool_slots * D;  /* this layer's KV head */
         const float* qj = qkv + (int64_t)r * QKV + j * D;
         float* pj = p + ((int64_t)r * H + j) * span;
         float mx = -INFINITY;
-        for (int t = 0; t < n; t++) {
-          pj[t] = dot(qj, Kh + (int64_t)t * D, D) * scale;
-          if (pj[t] > mx) mx = pj[t];
+        for (int t0 = 0; t0 < n; t0 += ps) {  /* page by page (a division per key costs) */
+          const int64_t at = head + pg[t0 / ps] * ps * D;
+          for (int t = t0; t < n && t < t0 + ps; t++) {
+            pj[t] = dot_kv(M, qj, M->pool_k, at + (int64_t)(t - t0) * D, D) * scale;
+            if (pj[t] > mx) mx = pj[t];
+          }
         }
         float sum = exp_sum(pj, n, mx);
         float* oj = o + ((int64_t)r * H + j) * D;
         for (int i = 0; i < D; i++) oj[i] = 0;
-        for (int t = 0; t < n; t++) {
-          float w = pj[t] / sum;
-          for (int i = 0; i < D; i++) oj[i] += w * Vh[(int64_t)t * D + i];
+        for (int t0 = 0; t0 < n; t0 += ps) {
+          const int64_t at = head + pg[t0 / ps] * ps * D;
+          for (int t = t0; t < n && t < t0 + ps; t++)
+            axpy_kv(M, oj, pj[t] / sum, M->pool_v, at + (int64_t)(t - t0) * D, D);
         }
       }
     lin(&L->o, R, o, y, xs);

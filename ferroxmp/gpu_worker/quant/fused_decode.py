@@ -42,8 +42,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("layers", c_int), ("heads", c_int), ("kv_heads", c_int), ("head_dim", c_int),
                 ("hidden", c_int), ("inter", c_int), ("eps", c_float), ("layer", POINTER(_Layer)),
-                ("pool_k", c_void_p), ("pool_v", c_void_p), ("pool_slots", c_int64),
-                ("mir_k", c_void_p), ("mir_v", c_void_p), ("mir_slots", c_int64), ("mir_cap", c_int64),
+                ("pool_k", c_void_p), ("pool_v", c_void_p), ("pool_slots", c_int64), ("page_size", c_int),
                 ("kv_f16", c_int)]
 
 
@@ -90,7 +89,7 @@ class FusedDecode:
         self._layers = layers
         self.m = _Model(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
                         cfg.intermediate_size, cfg.rms_norm_eps, layers,
-                        kv.k.data_ptr(), kv.v.data_ptr(), kv.num_slots, None, None, 0, 0,
+                        kv.k.data_ptr(), kv.v.data_ptr(), kv.num_slots, kv.page_size,
                         int(kv.dtype == torch.float16))
         self._scratch = torch.empty(0)
         self.max_rows = FUSED_ROWS  # steps of more rows run eagerly
@@ -108,8 +107,8 @@ class FusedDecode:
             return f"it stores K/V as float32 or float16, not {kv.dtype}"
         if model.linear not in (linear, cpu_f32_linear):
             return "the model's matmuls are replaced (--deterministic)"
-        if attn.mirror is None or kv.layout != "hnd":
-            return "it needs the CPU attention backend with its decode mirror (no sliding window)"
+        if attn.mirror is None or kv.layout != "hnd":  # the torch backend has a mirror unless windowed
+            return "it needs the CPU attention backend and a model without a sliding window"
         return available()
 
     @classmethod
@@ -119,20 +118,18 @@ class FusedDecode:
             return None, why
         return cls(model, kv, library()), None
 
-    def __call__(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mslots: torch.Tensor,
-                 mirror) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_at: torch.Tensor,
+                 pages: torch.Tensor) -> torch.Tensor:
         """h [R, hidden] float32 (the rows' embeddings, overwritten) -> their final hidden
-        states. positions, slots, mslots: int64 [R] on CPU, each row's position, pool slot
-        and mirror slot."""
+        states. positions, slots: int64 [R] on CPU, each row's position and pool slot;
+        pages[page_at[r]:page_at[r + 1]]: row r's pages (int64), first to last."""
         m, rows = self.m, h.shape[0]
-        m.mir_k, m.mir_v = mirror.k.data_ptr(), mirror.v.data_ptr()
-        m.mir_slots, m.mir_cap = mirror.slots, mirror.cap
-        pos, slots, mslots = (t.to(torch.int64).contiguous() for t in (positions, slots, mslots))
+        pos, slots, page_at, pages = (t.to(torch.int64).contiguous() for t in (positions, slots, page_at, pages))
         need = self.scratch_floats(ctypes.byref(m), c_int(rows), c_int64(int(pos.max()) + 1))
         if self._scratch.numel() < need:
             self._scratch = torch.empty(2 * need)
         h = h.contiguous()
         ptr = lambda t: c_void_p(t.data_ptr())  # noqa: E731
         self.fn(ctypes.byref(m), c_int(rows), ptr(h), ptr(self.model.cos_table), ptr(self.model.sin_table),
-                ptr(pos), ptr(slots), ptr(mslots), ptr(self._scratch))
+                ptr(pos), ptr(slots), ptr(page_at), ptr(pages), ptr(self._scratch))
         return h
