@@ -78,10 +78,16 @@ static void lin(const Lin* w, int R, const float* x, float* y, float* xs) {
 #define VMAX _mm512_max_ps
 #define VROUND(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define VPOW2(y, n) _mm512_scalef_ps(y, n)
+#define VDIV _mm512_div_ps
+#define VABS _mm512_abs_ps
+#define VPICK_GE0(x, a, b) _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, VZERO, _CMP_GE_OQ), b, a)
 #else
 #define VSUB _mm256_sub_ps
 #define VMAX _mm256_max_ps
 #define VROUND(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VDIV _mm256_div_ps
+#define VABS(x) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)
+#define VPICK_GE0(x, a, b) _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, VZERO, _CMP_GE_OQ))
 #define VPOW2(y, n) _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32( \
     _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23)))
 #endif
@@ -129,6 +135,20 @@ static inline float exp_sum(float* p, int n, float mx) {
   float sum = hsum(s);
   for (; t < n; t++) { p[t] = expf(p[t] - mx); sum += p[t]; }
   return sum;
+}
+
+/* a[i] = silu(g[i]) * u[i] = g / (1 + e^-g) * u, in float lanes: e = e^-|g| (vexp's range),
+   then sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below. A scalar expf per value
+   took 89 us for 16 rows of SmolLM2's 1536 (2.7 ms of a ~50 ms step over 30 layers);
+   these lanes take 8 us. */
+static inline void silu_mul(const float* g, const float* u, float* a, int n) {
+  int i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    VEC x = VLOAD(g + i), e = vexp(VSUB(VZERO, VABS(x))), one = VSET1(1.0f);
+    VEC s = VDIV(VPICK_GE0(x, one, e), VADD(one, e));
+    VSTORE(a + i, VMUL(VMUL(x, s), VLOAD(u + i)));
+  }
+  for (; i < n; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
 #ifdef __AVX512F__
@@ -269,11 +289,8 @@ void fused_decode(const Model* M, int R, float* h, const float* cos, const float
     for (int64_t i = 0; i < (int64_t)R * E; i++) h[i] += y[i];
     for (int r = 0; r < R; r++) rms(h + (int64_t)r * E, L->post_norm, x + (int64_t)r * E, E, M->eps);
     lin(&L->gate_up, R, x, gu, xs);
-    for (int r = 0; r < R; r++) {
-      const float* g = gu + (int64_t)r * 2 * I;
-      float* ar = a + (int64_t)r * I;
-      for (int i = 0; i < I; i++) ar[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
-    }
+    #pragma omp parallel for schedule(static) if (R >= 4)
+    for (int r = 0; r < R; r++) silu_mul(gu + (int64_t)r * 2 * I, gu + (int64_t)r * 2 * I + I, a + (int64_t)r * I, I);
     lin(&L->down, R, a, y, xs);
     for (int64_t i = 0; i < (int64_t)R * E; i++) h[i] += y[i];
   }
