@@ -8,8 +8,9 @@ within a bound (float32 rounding over a few thousand terms, amplified by 2-4 lay
 1e-4 of the logits' scale) and greedy tokens must be equal. The K/V it writes are
 checked by what later steps read: a row that sits out a step leaves the decode mirror
 and is refilled from the pool (so a missing pool write would change its tokens), and a
-mixed step (a prefill beside a decoding row: eager) reads the mirror the fused steps
-wrote (with float32 weights, its rows through torch's GEMM, or f32_mm at 1-16 rows).
+mixed step (a prefill beside a decoding row: eager) reads back from the pool the K/V
+the fused steps wrote (with float32 weights, its rows through the GEMM, or f32_mm at
+1-16 rows).
 """
 from __future__ import annotations
 

@@ -90,8 +90,9 @@ def test_a_float16_pool_holds_the_float32_runs_layer0_kv_rounded_to_the_bit(tiny
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_decode_step_over_a_float16_pool_reads_what_a_cold_prefill_reads(tiny_models, make_harness, fused):
-    """A decode step attends over the decode mirror, holding its own new K/V beside those
-    filled from the pool; a prefill of the same tokens reads them all back from the pool.
+    """A decode step attends over its own new K/V beside the earlier ones (the eager path:
+    in the decode mirror, filled from the pool; the fused step: the pool's pages); a
+    prefill of the same tokens reads them all back from the pool.
     Equal within float32 rounding (~5e-7 measured; bound 1e-5) only if the step's own
     K/V were rounded to float16 before the mirror took them (unrounded: ~5e-5)."""
     kw = dict(page_size=4, max_rows=2, pages_per_row=16, quantization="none", kv_cache_dtype="float16",
@@ -150,8 +151,10 @@ def test_kv_cache_dtype_is_refused_where_nothing_stores_it(tiny_models):
     with pytest.raises(ValueError, match="--kv-cache-dtype float16 .*CUDA"):
         check_cache_dtype(cfg, torch.device("cuda"))
     wide = load_config(tiny_models["llama"], "bfloat16", "float32")
-    with pytest.raises(ValueError, match="--kv-cache-dtype float32 .*wider"):
+    with pytest.raises(ValueError, match="--kv-cache-dtype float32 .*not narrower"):
         check_cache_dtype(wide, cpu)
+    with pytest.raises(ValueError, match="--kv-cache-dtype float16 .*not narrower than the model's bfloat16"):
+        check_cache_dtype(load_config(tiny_models["llama"], "bfloat16", "float16"), cpu)
     assert load_config(tiny_models["llama"], "float32", "float32").kv_dtype is None  # the model's own: auto
 
 

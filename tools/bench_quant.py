@@ -12,7 +12,7 @@ activations), `quantized::linear_dynamic` (int8 weights per row AND activations
 quantized to uint8 per call: W8A8), and ferroxmp's own groups of 32 (quant/groups.c,
 float32 activations: `grp-int4` = GGUF Q4_1's layout, `grp-int8` = Q8_0's; `grp-f32`:
 float32 weights through the same blocks, f32_mm, what packed.cpu_f32_linear calls at
-2-16 rows). Each cell is the median of `repeats` rounds; the kernels alternate
+1-16 rows). Each cell is the median of `repeats` rounds; the kernels alternate
 inside a round so that load from other processes hits them alike. Prints one table
 (ms per call and the speed-up over float32). On a shared box, label the figures
 contaminated.

@@ -100,7 +100,7 @@ class ModelRunner:
             attention = "det"
         elif fused_decode and self.device.type == "cpu" and self.config.dtype == torch.float32 \
                 and native_available() is None:
-            self.model.linear = cpu_f32_linear  # 1-16 activation rows (the LM head of a decode step) through f32_mm (quant/packed.py)
+            self.model.linear = cpu_f32_linear  # 1-16 activation rows through f32_mm, more through oneDNN (quant/packed.py)
         self.page_size = page_size
         self._shape, self._attention = shape, attention
         # --draft-model: its own weights, KV (in this pool's pages) and backend (draft_model.py)

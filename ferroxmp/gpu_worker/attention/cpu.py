@@ -134,6 +134,13 @@ class TorchBackend(AttentionBackend):
         self._prepare(step)
 
     def _prepare(self, step: StepPlan) -> None:
+        # Outside inference mode whoever calls (plan() from the runner, a --tp follower's
+        # plan() inside inference mode, forward() for a deferred step): the mirror's
+        # tensors are updated in place by later plans and must stay ordinary tensors.
+        with torch.inference_mode(False):
+            self._prepare_step(step)
+
+    def _prepare_step(self, step: StepPlan) -> None:
         counts = np.diff(step.kv_indptr)
         b = step.n_decode
         if b and self.mirror is not None:
@@ -202,10 +209,7 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._deferred is not None:  # a decode-only step that did not run fused
-            # As plan() would have: outside inference mode, so that the mirror's tensors
-            # stay ordinary ones, which later plans update in place.
-            with torch.inference_mode(False):
-                self._prepare(self._deferred)
+            self._prepare(self._deferred)
             self._deferred = None
         kv = self.kv
         K, V = kv.k[layer], kv.v[layer]  # [KVH, slots, D]

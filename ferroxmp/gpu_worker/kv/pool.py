@@ -149,8 +149,8 @@ def check_cache_dtype(cfg: ModelConfig, device: torch.device, deterministic: boo
         return
     where = ("on CUDA (its attention kernels read the pool in the model's dtype)" if device.type != "cpu" else
              "with --deterministic (its attention reads the pool in the model's dtype)" if deterministic else None)
-    if where is None and cfg.kv_dtype.itemsize > cfg.dtype.itemsize:
-        where = f"wider than the model's {cfg.dtype_name} (it would only cost memory)"
+    if where is None and cfg.kv_dtype.itemsize >= cfg.dtype.itemsize:
+        where = f"not narrower than the model's {cfg.dtype_name} (no memory saved, range or precision lost)"
     if where is not None:
         raise ValueError(f"--kv-cache-dtype {cfg.cache_dtype_name} is not supported {where}; "
                          f"use --kv-cache-dtype auto")

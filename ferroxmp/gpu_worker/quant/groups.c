@@ -248,8 +248,8 @@ void int8_dequant(int N, int K, const int8_t* q, const uint16_t* d, float* out) 
 /* Float32 weights (out[N, K], K a multiple of 32) through the same blocks, a group's values
    loaded as they are (one activation row: f32_row): fused_decode.c's step over float32
    weights and packed.cpu_f32_linear's 1-16 rows, where MKL's small-M GEMM read the LM
-   head at half this rate and its one-row path at 0.4x; past 16 rows MKL's blocking wins
-   (docs/BENCHMARKS.md 22-23). */
+   head at half this rate and its one-row path at 0.4x; past 16 rows a GEMM's blocking wins
+   (packed.gemm: oneDNN; docs/BENCHMARKS.md 22-23). */
 static inline void f32_unpack(const uint8_t* qb, VEC w[NV]) {
   for (int v = 0; v < NV; v++) w[v] = VLOAD((const float*)qb + v * LANES);
 }
