@@ -20,13 +20,15 @@ CPU = torch.device("cpu")
 
 
 def run_backend(name, steps, window, seed=0, num_pages=80, pages_per_row=10, shared=(), dtype=torch.float32, shuffle=True,
-                page_size=PS, heads=H, kv_heads=KVH, dim=D, layout=None):
+                page_size=PS, heads=H, kv_heads=KVH, dim=D, layout=None, native=False, kv_dtype=None):
     """Random prior KV everywhere, a shuffled page table per row; rows in `shared` reuse
-    row 0's first pages (adoption). Returns (backend output in step order, reference)."""
+    row 0's first pages (adoption). `native`: the torch backend's decode rows through
+    PageDecode; `kv_dtype`: a pool narrower than `dtype`. Returns (backend output in step
+    order, reference)."""
     g = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     layout = layout or ("hnd" if name == "torch" else "nhd")
-    kv = KVPool(num_pages, page_size, 1, kv_heads, dim, dtype, CPU, layout)
+    kv = KVPool(num_pages, page_size, 1, kv_heads, dim, kv_dtype or dtype, CPU, layout)
     kv.slots_view(0, "k").copy_(torch.randn(num_pages * page_size, kv_heads, dim, generator=g))
     kv.slots_view(0, "v").copy_(torch.randn(num_pages * page_size, kv_heads, dim, generator=g))
     rows = 1 + max(r for r, _, _ in steps)
@@ -38,7 +40,8 @@ def run_backend(name, steps, window, seed=0, num_pages=80, pages_per_row=10, sha
     q = torch.randn(T, heads, dim, generator=g).to(dtype)
     k_new = torch.randn(T, kv_heads, dim, generator=g).to(dtype)
     v_new = torch.randn(T, kv_heads, dim, generator=g).to(dtype)
-    backend = make_backend(kv, window, CPU, name, num_heads=heads)
+    backend = make_backend(kv, window, CPU, name, num_heads=heads, dtype=dtype, native_decode=native)
+    assert (getattr(backend, "page_decode", None) is not None) == native
     plan = backend.plan(steps, table)
     plan.check_integrity()
     # q/k/v arrive in step order; backends take the plan's internal order.
@@ -60,6 +63,19 @@ def test_mixed_decode_and_prefill_steps_match_the_reference(window):
     path) and continuing at 3 and 9 (masked), one chunk of a row that adopted row 0's pages."""
     out, ref = run_backend("torch", MIXED, window, shared=[(5, 2)])
     assert torch.allclose(out.double(), ref, atol=1e-5), (out.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dim", [8, 64])
+def test_decode_rows_read_natively_from_the_pools_pages_match_the_reference(kv_dtype, dim):
+    """PageDecode (quant/fused_decode.c's attention; no decode mirror) for the decode rows
+    of a mixed step and of a decode-only step, over shuffled and adopted pages; head_dim
+    8 (the scalar tails) and 64 (full float lanes); a float16 pool read as float16 (the
+    reference reads the same stored values)."""
+    for steps, seed in ((MIXED, 0), ([(r, 4 * r + 2, 1) for r in range(6)], 1)):
+        out, ref = run_backend("torch", steps, None, seed=seed, shared=[(5, 2)], native=True, kv_dtype=kv_dtype,
+                               dim=dim)
+        assert torch.allclose(out.double(), ref, atol=1e-5), (out.double() - ref).abs().max()
 
 
 def test_a_batch_of_only_decode_rows_matches_the_reference():

@@ -135,7 +135,8 @@ class ModelRunner:
             self.drafter.attach(pool.num_pages, self.page_size, layout)
         self.kv = KVPool.for_model(self._shape, pool.num_pages + graphs, self.page_size, self.device, layout=layout)
         self.attn = make_backend(self.kv, self.config.sliding_window, self.device, self._attention,
-                                 num_heads=self._shape.num_heads, dtype=self.config.dtype)
+                                 num_heads=self._shape.num_heads, dtype=self.config.dtype,
+                                 native_decode=self._fused_decode and self.tp is None)
         self.graphs = self._decode_graphs(pool) if graphs else None
         if not self._fused_decode:
             self.model.fused_decode, why = None, "--disable-fused-decode"

@@ -16,15 +16,18 @@ from ferroxmp.gpu_worker.attention.base import AttentionBackend, PlanError, Step
 
 
 def make_backend(kv, window: Optional[int], device: torch.device, name: str = "auto",
-                 num_heads: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> AttentionBackend:
+                 num_heads: Optional[int] = None, dtype: Optional[torch.dtype] = None,
+                 native_decode: bool = False) -> AttentionBackend:
     """auto: FlashInfer on CUDA when installed, else our Triton kernels on CUDA; torch on CPU.
     `kv` must have been created with `backend_layout(device, name)`; `dtype`: the model's,
-    when the pool stores another (--kv-cache-dtype, torch backend only)."""
+    when the pool stores another (--kv-cache-dtype, torch backend only); `native_decode`:
+    the torch backend attends decode rows in one native call over the pool's pages
+    (attention/page_decode.py) where it can, instead of keeping a decode mirror."""
     if name == "auto":
         name = "torch" if device.type != "cuda" else ("flashinfer" if _has("flashinfer") else "triton")
     if name == "torch":
         from ferroxmp.gpu_worker.attention.cpu import TorchBackend
-        return TorchBackend(kv, window, num_heads, dtype)
+        return TorchBackend(kv, window, num_heads, dtype, native_decode)
     if name == "det":  # --deterministic: bits independent of batch and chunking (attention/deterministic.py)
         from ferroxmp.gpu_worker.attention.deterministic import DeterministicBackend
         return DeterministicBackend(kv, window, num_heads)

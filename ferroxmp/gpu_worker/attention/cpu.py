@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from ferroxmp.gpu_worker.attention.base import AttentionBackend, StepPlan
 from ferroxmp.gpu_worker.attention.decode_mirror import DecodeMirror
+from ferroxmp.gpu_worker.attention.page_decode import PageDecode
 
 
 @dataclass
@@ -61,13 +62,14 @@ class _Decode:
     slots: Optional[torch.Tensor] = None  # mirror slot of each decode row (internal order)
     starts: Optional[torch.Tensor] = None  # each row's new position (internal order)
     by_slot: Optional[torch.Tensor] = None  # internal index of each slot; None when slot == index
+    row_pages: Optional[tuple] = None  # (page offsets [B + 1], pages): PageDecode reads the pool
 
 
 class TorchBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self, kv, window: Optional[int], num_heads: Optional[int] = None,
-                 dtype: Optional[torch.dtype] = None):
+                 dtype: Optional[torch.dtype] = None, native_decode: bool = False):
         if kv.layout != "hnd":
             raise ValueError("the torch backend needs the KV pool in the 'hnd' layout")
         super().__init__(kv, window, num_heads)
@@ -83,8 +85,12 @@ class TorchBackend(AttentionBackend):
         # Decoding rows' K/V kept contiguous between steps (no gather at all), within the
         # pool's own count of tokens (in the mirror's dtype: a float16 pool's float32 mirror
         # may take twice its bytes); models with a sliding window gather.
+        # With native_decode (the runner's, unless --disable-fused-decode) decode rows are
+        # attended over their pages in the pool in one native call (page_decode.py) and
+        # there is no mirror at all.
+        self.page_decode = PageDecode.build(kv, window, self.dtype) if native_decode else None
         budget = kv.nbytes * self.dtype.itemsize // kv.dtype.itemsize
-        self.mirror = None if window is not None else DecodeMirror(
+        self.mirror = None if window is not None or self.page_decode is not None else DecodeMirror(
             kv.num_layers, kv.num_kv_heads, kv.head_dim, self.dtype, kv.device, budget_bytes=budget)
 
     def forget(self, row: int) -> None:
@@ -143,7 +149,10 @@ class TorchBackend(AttentionBackend):
     def _prepare_step(self, step: StepPlan) -> None:
         counts = np.diff(step.kv_indptr)
         b = step.n_decode
-        if b and self.mirror is not None:
+        if b and self.page_decode is not None:
+            self.decode = _Decode(None, b, 0, 0, None, starts=self._tensor(step.starts[:b]), row_pages=(
+                self._tensor(step.kv_indptr[:b + 1]), self._tensor(step.kv_pages[:step.kv_indptr[b]])))
+        elif b and self.mirror is not None:
             self.decode = self._mirror_decode(step)
         if b and self.decode is None:
             n = int(counts[:b].max())
@@ -223,7 +232,9 @@ class TorchBackend(AttentionBackend):
         Vp = V.view(kvh, kv.num_pages, kv.page_size, dim)
         outs = []
         d = self.decode
-        if d is not None and d.pages is None:
+        if d is not None and d.row_pages is not None:
+            outs.append(self.page_decode(layer, q[:d.n_rows], d.starts, *d.row_pages))
+        elif d is not None and d.pages is None:
             outs.append(self._forward_mirror(layer, d, q, k, v))
         elif d is not None:
             shape = (kvh, d.n_rows, d.n_pages * kv.page_size, dim)

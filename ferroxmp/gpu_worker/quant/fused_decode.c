@@ -217,6 +217,52 @@ static int64_t carve(const Model* M, int R, int64_t span, float* base, Scratch* 
   return at;
 }
 
+/* Attention of R decoding rows at layer l: row r's H query heads (q + r * q_stride, H x D)
+   over its KV head's positions 0..pos[r], read from the row's pages in the pool (a page
+   of one head: page_size contiguous positions); o [R][H][D]; p [R][H][span] scratch for
+   the scores. (Row, head) pairs in parallel once the contexts make it worth a fork. */
+static void attend(const Model* M, int l, int R, const float* q, int64_t q_stride, float* o,
+                   const int64_t* pos, const int64_t* page_at, const int64_t* pages, float* p, int64_t span) {
+  const int H = M->heads, D = M->head_dim, G = H / M->kv_heads, ps = M->page_size;
+  const float scale = 1.0f / sqrtf((float)D);
+  const int64_t pl = (int64_t)l * M->kv_heads * M->pool_slots * D;
+  #pragma omp parallel for collapse(2) schedule(static) if (R * span >= 32)
+  for (int r = 0; r < R; r++)
+    for (int j = 0; j < H; j++) {
+      const int n = (int)pos[r] + 1;
+      const int64_t* pg = pages + page_at[r];
+      const int64_t head = pl + (int64_t)(j / G) * M->pool_slots * D;  /* this layer's KV head */
+      const float* qj = q + (int64_t)r * q_stride + j * D;
+      float* pj = p + ((int64_t)r * H + j) * span;
+      float mx = -INFINITY;
+      for (int t0 = 0; t0 < n; t0 += ps) {  /* page by page (a division per key costs) */
+        const int64_t at = head + pg[t0 / ps] * ps * D;
+        for (int t = t0; t < n && t < t0 + ps; t++) {
+          pj[t] = dot_kv(M, qj, M->pool_k, at + (int64_t)(t - t0) * D, D) * scale;
+          if (pj[t] > mx) mx = pj[t];
+        }
+      }
+      float sum = exp_sum(pj, n, mx);
+      float* oj = o + ((int64_t)r * H + j) * D;
+      for (int i = 0; i < D; i++) oj[i] = 0;
+      for (int t0 = 0; t0 < n; t0 += ps) {
+        const int64_t at = head + pg[t0 / ps] * ps * D;
+        for (int t = t0; t < n && t < t0 + ps; t++)
+          axpy_kv(M, oj, pj[t] / sum, M->pool_v, at + (int64_t)(t - t0) * D, D);
+      }
+    }
+}
+
+/* The same attention for the decode rows of an eager step (attention/cpu.py, their K/V
+   already in the pool): q and o [R][H][D]; scratch R * H * (max pos + 1) floats. Only the
+   Model's head geometry and pool fields are read. */
+void decode_attention(const Model* M, int l, int R, const float* q, float* o, const int64_t* pos,
+                      const int64_t* page_at, const int64_t* pages, float* scratch) {
+  int64_t span = 0;
+  for (int r = 0; r < R; r++) span = pos[r] + 1 > span ? pos[r] + 1 : span;
+  attend(M, l, R, q, (int64_t)M->heads * M->head_dim, o, pos, page_at, pages, scratch, span);
+}
+
 /* Floats of scratch fused_decode needs (fused_decode.py allocates it). */
 int64_t fused_decode_scratch(const Model* M, int R, int64_t span) {
   Scratch S;
@@ -230,8 +276,7 @@ void fused_decode(const Model* M, int R, float* h, const float* cos, const float
                   const int64_t* pos, const int64_t* slot, const int64_t* page_at, const int64_t* pages,
                   float* scratch) {
   const int H = M->heads, KVH = M->kv_heads, D = M->head_dim, E = M->hidden, I = M->inter;
-  const int G = H / KVH, QKV = (H + 2 * KVH) * D;
-  const float scale = 1.0f / sqrtf((float)D);
+  const int QKV = (H + 2 * KVH) * D;
   int64_t span = 0;
   for (int r = 0; r < R; r++) span = pos[r] + 1 > span ? pos[r] + 1 : span;
   Scratch S;
@@ -256,35 +301,7 @@ void fused_decode(const Model* M, int R, float* h, const float* cos, const float
         store_kv(M, M->pool_v, pl + ((int64_t)j * M->pool_slots + slot[r]) * D, v + j * D, D);
       }
     }
-    /* Attention: each row's query heads over its KV head's positions 0..pos[r], read
-       from the row's pages in the pool (a page of one head: page_size contiguous
-       positions); (row, head) pairs in parallel once the contexts make it worth a fork. */
-    const int ps = M->page_size;
-    #pragma omp parallel for collapse(2) schedule(static) if (R * span >= 32)
-    for (int r = 0; r < R; r++)
-      for (int j = 0; j < H; j++) {
-        const int n = (int)pos[r] + 1;
-        const int64_t* pg = pages + page_at[r];
-        const int64_t head = pl + (int64_t)(j / G) * M->pool_slots * D;  /* this layer's KV head */
-        const float* qj = qkv + (int64_t)r * QKV + j * D;
-        float* pj = p + ((int64_t)r * H + j) * span;
-        float mx = -INFINITY;
-        for (int t0 = 0; t0 < n; t0 += ps) {  /* page by page (a division per key costs) */
-          const int64_t at = head + pg[t0 / ps] * ps * D;
-          for (int t = t0; t < n && t < t0 + ps; t++) {
-            pj[t] = dot_kv(M, qj, M->pool_k, at + (int64_t)(t - t0) * D, D) * scale;
-            if (pj[t] > mx) mx = pj[t];
-          }
-        }
-        float sum = exp_sum(pj, n, mx);
-        float* oj = o + ((int64_t)r * H + j) * D;
-        for (int i = 0; i < D; i++) oj[i] = 0;
-        for (int t0 = 0; t0 < n; t0 += ps) {
-          const int64_t at = head + pg[t0 / ps] * ps * D;
-          for (int t = t0; t < n && t < t0 + ps; t++)
-            axpy_kv(M, oj, pj[t] / sum, M->pool_v, at + (int64_t)(t - t0) * D, D);
-        }
-      }
+    attend(M, l, R, qkv, QKV, o, pos, page_at, pages, p, span);
     lin(&L->o, R, o, y, xs);
     for (int64_t i = 0; i < (int64_t)R * E; i++) h[i] += y[i];
     for (int r = 0; r < R; r++) rms(h + (int64_t)r * E, L->post_norm, x + (int64_t)r * E, E, M->eps);

@@ -107,7 +107,7 @@ class FusedDecode:
             return f"it stores K/V as float32 or float16, not {kv.dtype}"
         if model.linear not in (linear, cpu_f32_linear):
             return "the model's matmuls are replaced (--deterministic)"
-        if attn.mirror is None or kv.layout != "hnd":  # the torch backend has a mirror unless windowed
+        if attn.window is not None or kv.layout != "hnd":
             return "it needs the CPU attention backend and a model without a sliding window"
         return available()
 

@@ -87,7 +87,7 @@ def library() -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     lib = ctypes.CDLL(path)
-    for name in ("int4_mm", "int8_mm", "int4_dequant", "int8_dequant", "f32_mm", "fused_decode"):
+    for name in ("int4_mm", "int8_mm", "int4_dequant", "int8_dequant", "f32_mm", "fused_decode", "decode_attention"):
         getattr(lib, name).restype = None
     lib.fused_decode_scratch.restype = ctypes.c_int64
     return lib
