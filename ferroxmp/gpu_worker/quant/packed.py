@@ -95,8 +95,8 @@ ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_li
 
 def gemm(x2: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x2 [m, k] @ w[n, k]^T (+ bias), float32 on CPU, many rows: oneDNN where torch has
-    it, else F.linear."""
-    if ONEDNN:
+    it (and torch.backends.mkldnn is not turned off), else F.linear."""
+    if ONEDNN and torch.backends.mkldnn.enabled:
         return torch.ops.mkldnn._linear_pointwise(x2, w, bias, "none", [], "")
     return F.linear(x2, w, bias)
 
