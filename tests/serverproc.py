@@ -205,6 +205,18 @@ def serving(model: Optional[str], *flags: str, **kw):
     assert not srv.leftovers(), srv.log()
 
 
+def greedy_ids(srv: "ServerProcess", prompts: dict, max_tokens: int) -> dict:
+    """{key: output ids} of one greedy /generate request per prompt of token ids, each
+    exactly max_tokens long (ignore_eos)."""
+    got = {}
+    for key, ids in prompts.items():
+        res = requests.post(srv.url + "/generate", headers=srv.headers, timeout=120, json={
+            "input_ids": ids, "sampling_params": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}})
+        assert res.status_code == 200, res.text
+        got[key] = res.json()["output_ids"]
+    return got
+
+
 def greedy_completion(srv: "ServerProcess", prompt: str, max_tokens: int) -> str:
     """The text of one greedy /v1/completions request (raises on an HTTP error)."""
     r = requests.post(srv.url + "/v1/completions", headers=srv.headers, timeout=120,

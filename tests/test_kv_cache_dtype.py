@@ -21,9 +21,8 @@ import subprocess
 import sys
 
 import pytest
-import requests
 import torch
-from serverproc import serving
+from serverproc import greedy_ids, serving
 
 from ferroxmp.gpu_worker.kv.pool import check_cache_dtype
 from ferroxmp.gpu_worker.loader import load_config
@@ -169,12 +168,7 @@ def test_a_server_with_a_float16_kv_cache_holds_twice_the_tokens_and_answers_as_
         with serving(tiny_models["llama"], "--kv-cache-dtype", dtype, "--kv-cache-gb", "0.01") as srv:
             infos[dtype] = srv.info["worker_info"]["memory"]
             if dtype == "float16":
-                got = {}
-                for r, ids in prompts.items():
-                    res = requests.post(srv.url + "/generate", json={"input_ids": ids, "sampling_params": {
-                        "temperature": 0.0, "max_tokens": 8, "ignore_eos": True}}, timeout=120)
-                    assert res.status_code == 200, res.text
-                    got[r] = res.json()["output_ids"]
+                got = greedy_ids(srv, prompts, 8)
     assert got == want
     assert infos["auto"]["kv_dtype"] == "float32" and infos["float16"]["kv_dtype"] == "float16"
     # the same budget (whole pages of 16 tokens below it), twice the tokens

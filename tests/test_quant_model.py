@@ -8,13 +8,12 @@ test_default_model checks against transformers), and the tp=1 runner in-process.
 from __future__ import annotations
 
 import pytest
-import requests
 from gguf import GGMLQuantizationType as Q
 
 from ferroxmp.gpu_worker.loader import load_config
 from ferroxmp.gpu_worker.parallel.group import Shard
 from gguf_writer import write_gguf
-from serverproc import ServerProcess
+from serverproc import ServerProcess, greedy_ids
 
 pytestmark = pytest.mark.timeout(600)
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Who wrote Romeo and Juliet?"]
@@ -58,12 +57,7 @@ def test_tp2_with_compressed_weights_serves_tp1s_tokens_and_reports_its_memory(t
     flags = ("--tp", "2", "--page-size", "4", "--kv-pages", "64", "--max-running-requests", "8",
              "--quantization", mode)
     with ServerProcess(path, *flags) as srv:
-        got = {}
-        for r, ids in prompts.items():
-            res = requests.post(srv.url + "/generate", json={"input_ids": ids, "sampling_params": {
-                "temperature": 0.0, "max_tokens": 8, "ignore_eos": True}}, timeout=120)
-            assert res.status_code == 200, res.text
-            got[r] = res.json()["output_ids"]
+        got = greedy_ids(srv, prompts, 8)
         memory = srv.info["worker_info"]["memory"]
     assert got == want
     cfg = load_config(path)
