@@ -80,7 +80,10 @@ class TextCodec:
             self._init_gguf(model_path)
         else:
             self._init_folder(model_path)
-        self._byte_level = "ByteLevel" in json.dumps(json.loads(self.tok.to_str()).get("decoder"))
+        # The decoder's own JSON, not the whole tokenizer's (to_str() of a 49k vocabulary
+        # parsed into Python objects left ~10 MB resident in every process that loads it).
+        decoder = self.tok.decoder
+        self._byte_level = decoder is not None and b"ByteLevel" in decoder.__getstate__()
         self._special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
 
     def _init_folder(self, model_dir: str) -> None:
