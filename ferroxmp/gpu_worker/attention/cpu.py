@@ -85,9 +85,9 @@ class TorchBackend(AttentionBackend):
         # Decoding rows' K/V kept contiguous between steps (no gather at all), within the
         # pool's own count of tokens (in the mirror's dtype: a float16 pool's float32 mirror
         # may take twice its bytes); models with a sliding window gather.
-        # With native_decode (the runner's, unless --disable-fused-decode) decode rows are
-        # attended over their pages in the pool in one native call (page_decode.py) and
-        # there is no mirror at all.
+        # With native_decode (the runner asks for it unless --disable-fused-decode or --tp)
+        # decode rows are attended over their pages in the pool in one native call
+        # (page_decode.py) where the kernels load, and there is no mirror at all.
         self.page_decode = PageDecode.build(kv, window, self.dtype) if native_decode else None
         budget = kv.nbytes * self.dtype.itemsize // kv.dtype.itemsize
         self.mirror = None if window is not None or self.page_decode is not None else DecodeMirror(
@@ -133,7 +133,8 @@ class TorchBackend(AttentionBackend):
         b = step.n_decode
         if b and len(step.rows) == b and self.window is None:
             # Decode rows only: a fused step (quant/fused_decode.c) reads their pages in the
-            # pool, so the mirror is arranged only if the step runs eagerly (forward).
+            # pool itself, so the eager plan (PageDecode's tensors, or the mirror's
+            # arrangement) is made only if the step runs eagerly (forward).
             self._fused = (self.write_slots, self._tensor(step.kv_indptr), self._tensor(step.kv_pages))
             self._deferred = step
             return
