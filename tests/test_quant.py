@@ -173,9 +173,6 @@ def test_float32_weights_go_through_f32_mm_at_1_to_16_rows_and_gemm_past_that_wi
     x, w2 = torch.randn(4, 100, generator=g), torch.randn(99, 100, generator=g)
     assert torch.equal(packed.cpu_f32_linear(x, w2, b), F.linear(x, w2, b))
     assert len(calls) == 16
-    if packed.ONEDNN:  # the many-row product is oneDNN's, not F.linear's under another name
-        x = torch.randn(64, 320, generator=g)
-        assert torch.equal(packed.gemm(x, w), torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
 
 
 def test_the_avx2_build_of_the_kernels_computes_what_the_native_one_does(tmp_path):

@@ -151,8 +151,11 @@ class TorchBackend(AttentionBackend):
         counts = np.diff(step.kv_indptr)
         b = step.n_decode
         if b and self.page_decode is not None:
-            self.decode = _Decode(None, b, 0, 0, None, starts=self._tensor(step.starts[:b]), row_pages=(
-                self._tensor(step.kv_indptr[:b + 1]), self._tensor(step.kv_pages[:step.kv_indptr[b]])))
+            # A decode-only step (deferred: it did not run fused) has these in its fused target.
+            row_pages = self._fused[1:] if self._fused is not None else (
+                self._tensor(step.kv_indptr[:b + 1]), self._tensor(step.kv_pages[:step.kv_indptr[b]]))
+            self.decode = _Decode(None, b, 0, int(step.starts[:b].max()) + 1, None,
+                                  starts=self._tensor(step.starts[:b]), row_pages=row_pages)
         elif b and self.mirror is not None:
             self.decode = self._mirror_decode(step)
         if b and self.decode is None:
@@ -227,16 +230,15 @@ class TorchBackend(AttentionBackend):
             k, v = k.to(kv.dtype), v.to(kv.dtype)
         K.index_copy_(1, self.write_slots, k.transpose(0, 1))
         V.index_copy_(1, self.write_slots, v.transpose(0, 1))
-        k, v = self._widen(k), self._widen(v)
         heads, kvh, dim = q.shape[1], kv.num_kv_heads, kv.head_dim
         Kp = K.view(kvh, kv.num_pages, kv.page_size, dim)
         Vp = V.view(kvh, kv.num_pages, kv.page_size, dim)
         outs = []
         d = self.decode
         if d is not None and d.row_pages is not None:
-            outs.append(self.page_decode(layer, q[:d.n_rows], d.starts, *d.row_pages))
-        elif d is not None and d.pages is None:
-            outs.append(self._forward_mirror(layer, d, q, k, v))
+            outs.append(self.page_decode(layer, q[:d.n_rows], d.starts, *d.row_pages, d.span))
+        elif d is not None and d.pages is None:  # the mirror takes the stored values, widened
+            outs.append(self._forward_mirror(layer, d, q, self._widen(k), self._widen(v)))
         elif d is not None:
             shape = (kvh, d.n_rows, d.n_pages * kv.page_size, dim)
             kd = self._widen(self._gather(Kp, d.pages, 0).view(shape).transpose(0, 1)[:, :, :d.span])

@@ -16,13 +16,13 @@ in float32.
 from __future__ import annotations
 
 import ctypes
-from ctypes import c_int, c_void_p
+from ctypes import c_int
 from typing import Optional
 
 import torch
 
 from ferroxmp.gpu_worker.quant.fused_decode import _Model
-from ferroxmp.gpu_worker.quant.native import available, library
+from ferroxmp.gpu_worker.quant.native import available, library, ptr
 
 
 class PageDecode:
@@ -45,16 +45,16 @@ class PageDecode:
         return cls(kv)
 
     def __call__(self, layer: int, q: torch.Tensor, positions: torch.Tensor, page_at: torch.Tensor,
-                 pages: torch.Tensor) -> torch.Tensor:
+                 pages: torch.Tensor, span: int) -> torch.Tensor:
         """q [R, heads, head_dim] float32 -> attention output, same shape. positions: each
-        row's new position (int64 [R]); pages[page_at[r]:page_at[r + 1]]: row r's pages."""
+        row's new position (int64 [R]; span: their max + 1, the scores' length);
+        pages[page_at[r]:page_at[r + 1]]: row r's pages (int64)."""
         rows, self.m.heads = q.shape[0], q.shape[1]
         q = q.contiguous()
         out = torch.empty_like(q)
-        need = rows * q.shape[1] * (int(positions.max()) + 1)
+        need = rows * q.shape[1] * span
         if self._scratch.numel() < need:
             self._scratch = torch.empty(2 * need)
-        ptr = lambda t: c_void_p(t.data_ptr())  # noqa: E731
         self.fn(ctypes.byref(self.m), c_int(layer), c_int(rows), ptr(q), ptr(out), ptr(positions), ptr(page_at),
                 ptr(pages), ptr(self._scratch))
         return out

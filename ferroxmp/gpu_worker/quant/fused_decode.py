@@ -6,10 +6,10 @@ one token (the single stream's every token; a batch of up to FUSED_ROWS users) a
 `fused_decode.c`'s `fused_decode` instead of ~600 eager torch ops. `build` says why not
 when it cannot (the model then runs eagerly, as before); `__call__` takes the rows'
 embeddings and returns their final hidden states, having written the step's K/V to the
-pool and the decode mirror as the eager path does.
+pool as the eager path does (and read each row's K/V back from its pages there).
 
 Invariants: the weights, norms and pool never move after `build` (their addresses are
-kept in one ctypes struct); the mirror may (it grows), so its address is set per call.
+kept in one ctypes struct).
 Used only where the eager path's results are not required to the bit: never under
 --deterministic (its batch-invariant matmuls replace model.linear) or --tp.
 """
@@ -22,11 +22,11 @@ from typing import Optional
 import torch
 
 from ferroxmp.gpu_worker.quant.groups import Groups
-from ferroxmp.gpu_worker.quant.native import available, library
+from ferroxmp.gpu_worker.quant.native import available, library, ptr
 from ferroxmp.gpu_worker.quant.packed import SMALL_ROWS, linear, cpu_f32_linear
 
-# Rows per fused step: its matmuls are groups.c's small-M kernels, and past 16 rows MKL's
-# GEMM multiplies float32 weights faster (packed.cpu_f32_linear's range).
+# Rows per fused step: its matmuls are groups.c's small-M kernels, and past 16 rows a GEMM
+# multiplies float32 weights faster (packed.cpu_f32_linear's range).
 FUSED_ROWS = SMALL_ROWS[1]
 
 
@@ -124,12 +124,11 @@ class FusedDecode:
         states. positions, slots: int64 [R] on CPU, each row's position and pool slot;
         pages[page_at[r]:page_at[r + 1]]: row r's pages (int64), first to last."""
         m, rows = self.m, h.shape[0]
-        pos, slots, page_at, pages = (t.to(torch.int64).contiguous() for t in (positions, slots, page_at, pages))
+        pos = positions.to(torch.int64).contiguous()  # the backend's slot and page tensors are int64 already
         need = self.scratch_floats(ctypes.byref(m), c_int(rows), c_int64(int(pos.max()) + 1))
         if self._scratch.numel() < need:
             self._scratch = torch.empty(2 * need)
         h = h.contiguous()
-        ptr = lambda t: c_void_p(t.data_ptr())  # noqa: E731
         self.fn(ctypes.byref(m), c_int(rows), ptr(h), ptr(self.model.cos_table), ptr(self.model.sin_table),
                 ptr(pos), ptr(slots), ptr(page_at), ptr(pages), ptr(self._scratch))
         return h

@@ -24,18 +24,13 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ferroxmp.gpu_worker.quant.native import library
+from ferroxmp.gpu_worker.quant.native import library, ptr
 from ferroxmp.gpu_worker.quant.packed import gemm
 
 GROUP = 32
 # Above this many activation rows (a prefill chunk) the weight is widened to float32 once
-# and multiplied by torch's GEMM: the kernel re-reads a group for every 4 rows.
+# and multiplied by a GEMM (packed.gemm): the kernel re-reads a group for every 4 rows.
 DEQUANT_ROWS = 80
-
-
-def _ptr(t: torch.Tensor):
-    import ctypes
-    return ctypes.c_void_p(t.data_ptr())
 
 
 @dataclass
@@ -150,11 +145,11 @@ class Groups:
             y = torch.empty(x2.shape[0], rows)
             lib = library()
             if self.m is None:
-                lib.int8_mm(x2.shape[0], rows, cols, _ptr(x2), _ptr(self.q), _ptr(self.d), _ptr(y))
+                lib.int8_mm(x2.shape[0], rows, cols, ptr(x2), ptr(self.q), ptr(self.d), ptr(y))
             else:
                 sums = torch.empty(x2.shape[0], cols // GROUP)
-                lib.int4_mm(x2.shape[0], rows, cols, _ptr(x2), _ptr(self.q), _ptr(self.d), _ptr(self.m),
-                            _ptr(sums), _ptr(y))
+                lib.int4_mm(x2.shape[0], rows, cols, ptr(x2), ptr(self.q), ptr(self.d), ptr(self.m),
+                            ptr(sums), ptr(y))
         if bias is not None:
             y = y + bias.float()
         return y.reshape(*x.shape[:-1], rows).to(x.dtype)
@@ -165,9 +160,9 @@ class Groups:
         out = torch.empty(rows, cols)
         lib = library()
         if self.m is None:
-            lib.int8_dequant(rows, cols, _ptr(self.q), _ptr(self.d), _ptr(out))
+            lib.int8_dequant(rows, cols, ptr(self.q), ptr(self.d), ptr(out))
         else:
-            lib.int4_dequant(rows, cols, _ptr(self.q), _ptr(self.d), _ptr(self.m), _ptr(out))
+            lib.int4_dequant(rows, cols, ptr(self.q), ptr(self.d), ptr(self.m), ptr(out))
         return out
 
 

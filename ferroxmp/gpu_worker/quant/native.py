@@ -93,6 +93,11 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+def ptr(t) -> ctypes.c_void_p:
+    """A tensor's data address for a ctypes call into the kernels."""
+    return ctypes.c_void_p(t.data_ptr())
+
+
 def available() -> str | None:
     """None when the kernels load here, else the reason they do not."""
     try:

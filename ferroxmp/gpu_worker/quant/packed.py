@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ferroxmp.gpu_worker.quant.native import library
+from ferroxmp.gpu_worker.quant.native import library, ptr
 
 
 class PackedF16:
@@ -54,11 +54,10 @@ def pack(w, model_dtype: torch.dtype):
 
 
 def release_freed_memory() -> None:
-    """Give freed float copies (a GGUF tensor dequantized on the way in, the float32
-    input of a prepack) back to the OS: glibc keeps freed heap pages otherwise, and the
+    """Give freed memory (a GGUF tensor dequantized on the way in, the float32 input of a
+    prepack, a load's activations once the worker is idle) back to the OS: glibc keeps freed heap pages otherwise, and the
     resident size would still count them. A no-op where libc is not glibc."""
     try:
-        import ctypes
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
@@ -82,7 +81,7 @@ def f32_mm(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x2 [m, k] @ w[n, k]^T through groups.c's f32_mm (both float32, contiguous, CPU;
     k a multiple of 32)."""
     y = torch.empty(x2.shape[0], w.shape[0])
-    library().f32_mm(x2.shape[0], w.shape[0], w.shape[1], *(ctypes.c_void_p(t.data_ptr()) for t in (x2, w, y)))
+    library().f32_mm(x2.shape[0], w.shape[0], w.shape[1], ptr(x2), ptr(w), ptr(y))
     return y
 
 
