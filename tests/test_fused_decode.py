@@ -111,22 +111,32 @@ def test_past_fused_rows_a_decode_step_runs_eagerly_with_the_same_tokens(tiny_mo
     assert got == want
 
 
-def test_the_real_model_answers_the_same_in_one_call(make_harness):
-    """SmolLM2's Q4_1 GGUF under int4 (its file's own blocks): one question decoded alone,
-    24 tokens, fused and eager."""
+@pytest.mark.parametrize("mode", ["none", "int4"])
+def test_the_real_model_answers_the_same_in_one_call(make_harness, mode):
+    """SmolLM2's Q4_1 GGUF dequantized to float32 (none) or as its file's own blocks (int4):
+    one question decoded alone, 24 tokens, fused and eager. Float32: the same tokens, logits
+    within 1e-4 of their scale. int4 rounds activations to an int8 grid inside each matmul
+    (int4x16.c), which turns the paths' float-order differences into ~2% of a hidden state
+    on this model (test_quant_model): the answers may part only at a close call, judged
+    against how far int4's own logits are from float32's (int4_oracle)."""
     from ferroxmp.checkpoint.default_model import default_model_path
     from ferroxmp.frontend.text.tokenizer import TextCodec
+    from int4_oracle import logit_noise, unexplained_divergences
     path = default_model_path()
     prompt = TextCodec(path).encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     answers = {}
-    for fused in (True, False):
-        h = make_harness(path, max_rows=1, pages_per_row=8, quantization="int4", fused_decode=fused)
-        assert (h.runner.model.fused_decode is not None) == fused
-        answers[fused], logits = h.generate({0: prompt}, 24)
-        answers[fused] = (answers[fused][0], logits[0])
+    for key in ((mode, True), (mode, False)) + ((("none", False),) if mode == "int4" else ()):
+        h = make_harness(path, max_rows=1, pages_per_row=8, quantization=key[0], fused_decode=key[1])
+        assert (h.runner.model.fused_decode is not None) == key[1]
+        answers[key] = h.generate({0: prompt}, 24)
         h.close()
-    assert answers[True][0] == answers[False][0]
-    for g, w in zip(answers[True][1], answers[False][1]):
+    (fused, _), (eager, eager_logits) = answers[(mode, True)], answers[(mode, False)]
+    if mode == "int4":
+        noise = logit_noise(eager, eager_logits, *answers[("none", False)])
+        assert unexplained_divergences(eager, eager_logits, fused, noise) == []
+        return
+    assert fused == eager
+    for g, w in zip(answers[(mode, True)][1][0], eager_logits[0]):
         assert (g - w).abs().max() <= 1e-4 * w.abs().max()
 
 

@@ -10,9 +10,11 @@ arithmetic, not from what the code happened to print:
   (the standard gamma_K bound on a float32 dot product, with slack 8).
 - int4/int8 (groups of 32): a GGUF tensor read as stored (Q4_0/Q4_1 -> int4, Q8_0 ->
   int8) dequantizes to exactly gguf's own dequantization; one requantized holds each value
-  within half its group's step d / 2. groups.c then sums float32 products in another
-  order than F.linear over the dequantized weight: the same gamma_K bound as fp16 (for
-  int4 the m * sum(x) term adds K values more: slack 16).
+  within half its group's step d / 2. groups.c (int8) then sums float32 products in
+  another order than F.linear over the dequantized weight: the same gamma_K bound as fp16
+  (slack 16). int4x16.c multiplies by the activations rounded to int8 per group of 32:
+  tests/int4_oracle.py computes that product in float64 from the canonical fields, and
+  the kernel must be within float32 rounding of it.
 A wrong scale, zero point, row order or group layout breaks these by orders of magnitude.
 """
 from __future__ import annotations
@@ -25,10 +27,11 @@ from gguf import GGMLQuantizationType as Q
 from ferroxmp.config import ServerArgs
 from ferroxmp.gpu_worker.loader import load_config, load_weights, weight_bytes
 from ferroxmp.gpu_worker.models import build_model
-from ferroxmp.gpu_worker.quant import Groups, PackedF16, resolve_mode, should_quantize, target_format
+from ferroxmp.gpu_worker.quant import Groups, PackedF16, pack, resolve_mode, should_quantize, target_format
 from ferroxmp.gpu_worker.quant.policy import AS_STORED, QuantizationRefused
 from ferroxmp.gpu_worker.parallel.group import Shard
 from gguf_writer import write_gguf
+from int4_oracle import float_bound, rounded_product
 
 pytestmark = pytest.mark.timeout(300)
 CPU = torch.device("cpu")
@@ -88,14 +91,21 @@ def _step_bound(g: Groups) -> torch.Tensor:
 
 
 def _check_matmul(g: Groups, deq: torch.Tensor, name: str) -> None:
-    """The kernel (one row; blocks of 3, 5, 8 + 5 and 5 x 8 rows) and the widened path (90
-    rows, above DEQUANT_ROWS) against F.linear over the dequantized weight, within the
-    float32 summation bound."""
+    """The kernel at 1-90 rows (int8: one row; blocks of 3, 5, 8 + 5 and 5 x 8 rows; the
+    widened path at 90, above DEQUANT_ROWS; int4: passes of 16 rows and a rest) against
+    F.linear over the dequantized weight (int4: over the activations rounded as the kernel
+    specifies), within float32 rounding. The model's packed form multiplies the same."""
     k = deq.shape[1]
+    packed = pack(g, torch.float32)
     for rows in (1, 3, 5, 13, 40, 90):
         x = _x(k, rows)
-        bound = 16 * k * 2.0 ** -24 * (x.abs() @ deq.abs().T + x.abs().sum(1, keepdim=True)) + 1e-30
-        assert ((g(x) - F.linear(x, deq)).abs() <= bound).all(), (name, rows)
+        if g.format == "int4":
+            want, bound = rounded_product(g, x), float_bound(g, x)
+        else:
+            want = F.linear(x, deq).double()
+            bound = 16 * k * 2.0 ** -24 * (x.abs() @ deq.abs().T).double() + 1e-30
+        for form in (g, packed):
+            assert ((form(x).double() - want).abs() <= bound).all(), (name, rows)
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
@@ -130,8 +140,8 @@ def test_each_gguf_type_kept_in_groups_equals_or_rounds_its_dequantized_weights(
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_a_weight_whose_rows_no_block_divides_multiplies_within_the_bound(fmt):
-    """99 output rows: the kernel's blocks take 4 (AVX-512) or 1 weight rows at a time,
-    so the last 3 rows take the tail path."""
+    """99 output rows: groups.c's blocks take 4 (AVX-512) or 1 weight rows at a time, so
+    the last 3 rows take the tail path; int4x16's last block is 3 rows and 13 of padding."""
     g = Groups.quantize(torch.randn(99, 320, generator=torch.Generator().manual_seed(1)), fmt)
     _check_matmul(g, g.dequantize(), fmt)
 
@@ -175,21 +185,28 @@ def test_float32_weights_go_through_f32_mm_at_1_to_16_rows_and_gemm_past_that_wi
     assert len(calls) == 16
 
 
-def test_the_avx2_build_of_the_kernels_computes_what_the_native_one_does(tmp_path):
-    """On an AVX-512 machine the native build never runs the AVX2 code; a haswell build
-    in a subprocess (its own cache) must meet the same bounds at 1, 3, 13 and 40 rows, on
-    a weight of 99 rows (not a multiple of the rows a block takes); f32_mm too."""
+@pytest.mark.parametrize("march", ["haswell", "skylake-avx512"])
+def test_the_avx2_build_of_the_kernels_computes_what_the_native_one_does(tmp_path, march):
+    """On an AVX-512 VNNI machine the native build runs neither the AVX2 code (haswell)
+    nor int4x16's AVX-512 path without VNNI (skylake-avx512); such a build in a subprocess
+    (its own cache) must meet the same bounds at 1, 3, 13, 17 and 40 rows, on a weight of
+    99 rows (not a multiple of the rows a block takes); f32_mm too."""
     from avx2_build import run_avx2
     code = ("import torch, torch.nn.functional as F\n"
             "from ferroxmp.gpu_worker.quant import Groups\n"
             "from ferroxmp.gpu_worker.quant.packed import cpu_f32_linear\n"
+            "from int4_oracle import float_bound, rounded_product\n"
             "torch.manual_seed(0)\n"
             "for fmt in ('int4', 'int8'):\n"
             "    g = Groups.quantize(torch.randn(99, 320), fmt); w = g.dequantize()\n"
-            "    for rows in (1, 3, 13, 40):\n"
+            "    for rows in (1, 3, 13, 17, 40):\n"
             "        x = torch.randn(rows, 320)\n"
-            "        bound = 16 * 320 * 2.0 ** -24 * (x.abs() @ w.abs().T + x.abs().sum(1, keepdim=True))\n"
-            "        assert ((g(x) - F.linear(x, w)).abs() <= bound).all(), (fmt, rows)\n"
+            "        if fmt == 'int4':\n"
+            "            want, bound = rounded_product(g, x), float_bound(g, x)\n"
+            "        else:\n"
+            "            want = F.linear(x, w).double()\n"
+            "            bound = 16 * 320 * 2.0 ** -24 * (x.abs() @ w.abs().T).double()\n"
+            "        assert ((g(x).double() - want).abs() <= bound).all(), (fmt, rows)\n"
             "w, b = torch.randn(99, 320), torch.randn(99)\n"
             "for rows in (1, 3, 13):\n"
             "    x = torch.randn(rows, 320)\n"
@@ -197,7 +214,7 @@ def test_the_avx2_build_of_the_kernels_computes_what_the_native_one_does(tmp_pat
             "    bound = 2 * 321 * 2.0 ** -24 * (x.abs() @ w.abs().T + b.abs()).double()\n"
             "    assert (err <= bound).all(), ('float32', rows)\n"
             "print('ok')\n")
-    out = run_avx2(code, tmp_path)
+    out = run_avx2(code, tmp_path, march)
     assert out == "ok", out
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ferroxmp.gpu_worker.attention import AttentionBackend
 from ferroxmp.gpu_worker.loader import ModelConfig
-from ferroxmp.gpu_worker.quant import Groups, cat_rows
+from ferroxmp.gpu_worker.quant import cat_rows
 from ferroxmp.gpu_worker.quant import linear as quant_linear
 from ferroxmp.gpu_worker.quant import pack as quant_pack
 from ferroxmp.gpu_worker.quant.packed import release_freed_memory
@@ -52,8 +52,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 def embedding(ids: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of the embedding table in `dtype` (float, float16 kept by --quantization
-    fp16, or Groups dequantized row by row)."""
-    return table.lookup(ids, dtype) if isinstance(table, Groups) else F.embedding(ids, table).to(dtype)
+    fp16, or Groups / Int4x16 dequantized row by row)."""
+    return F.embedding(ids, table).to(dtype) if isinstance(table, torch.Tensor) else table.lookup(ids, dtype)
 
 
 @dataclass
@@ -117,9 +117,12 @@ class DecoderLM:
                 w_down=pack(take(m + "down_proj.weight"))))
         self.norm = take("model.norm.weight")
         # Quantized: the embedding stays Groups (read row by row) and a tied head multiplies
-        # by the same object; under fp16 the head is packed for FBGEMM (a tied head: a
-        # second, packed copy of the float16 values).
+        # by the same object (int4: both are the packed Int4x16, which reads rows too);
+        # under fp16 the head is packed for FBGEMM (a tied head: a second, packed copy of
+        # the float16 values).
         self.lm_head = pack(self.embed if cfg.tie_word_embeddings else weights.pop("lm_head.weight", self.embed))
+        if cfg.tie_word_embeddings and not isinstance(self.embed, torch.Tensor):
+            self.embed = self.lm_head
         # One float32 table for every position, indexed per step (same bits as computing
         # position * inv_freq on the fly, as transformers does).
         freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None]

@@ -28,9 +28,10 @@
 #include <math.h>
 #include <string.h>
 #include "groups.c"
+#include "int4x16.c"
 
 typedef struct {
-  const uint8_t* q; const uint16_t* d; const uint16_t* m;  /* m NULL: int8; d NULL: q is float32 */
+  const uint8_t* q; const uint16_t* d; const uint16_t* m;  /* m: int4 (int4x16.c); NULL: int8; d NULL: float32 */
   const float* bias;  /* NULL: none */
   int n, k;
 } Lin;
@@ -63,10 +64,10 @@ static void store_kv(const Model* M, void* pool, int64_t at, float* x, int n) {
 
 
 
-/* y[R][n] = x[R][k] W^T (+ bias). xs: the int4 kernel's [k / 32] scratch for one row. */
+/* y[R][n] = x[R][k] W^T (+ bias). xs: the int4 kernel's scratch (int4x16_scratch bytes). */
 static void lin(const Lin* w, int R, const float* x, float* y, float* xs) {
   if (!w->d) f32_mm(R, w->n, w->k, x, (const float*)w->q, y);
-  else if (w->m) int4_mm(R, w->n, w->k, x, w->q, w->d, w->m, xs, y);
+  else if (w->m) int4x16_mm(R, w->n, w->k, x, w->q, w->d, w->m, xs, y);
   else int8_mm(R, w->n, w->k, x, (const int8_t*)w->q, w->d, y);
   if (w->bias)
     for (int r = 0; r < R; r++)
@@ -198,7 +199,7 @@ static void rope(float* x, const float* cos, const float* sin, int d) {
 }
 
 /* The step's scratch for R rows whose longest context is `span` positions: each row's
-   activations, its attention weights, and the int4 kernel's sums of one row. */
+   activations, its attention weights, and the int4 kernel's rounded activations. */
 typedef struct { float *x, *qkv, *o, *gu, *a, *y, *p, *xs; } Scratch;
 
 /* Lays S out from `base` (NULL: only sizes it) and returns its size in floats: the one
@@ -207,7 +208,7 @@ static int64_t carve(const Model* M, int R, int64_t span, float* base, Scratch* 
   int64_t E = M->hidden, I = M->inter, HD = (int64_t)M->heads * M->head_dim;
   int64_t QKV = HD + 2 * (int64_t)M->kv_heads * M->head_dim, widest = E > I ? E : I;
   int64_t sizes[8] = {R * E, R * QKV, R * HD, R * 2 * I, R * I, R * E, R * M->heads * span,
-                      (widest > HD ? widest : HD) / 32};
+                      int4x16_scratch(R, widest > HD ? widest : HD) / (int64_t)sizeof(float) + 1};
   float** parts[8] = {&S->x, &S->qkv, &S->o, &S->gu, &S->a, &S->y, &S->p, &S->xs};
   int64_t at = 0;
   for (int i = 0; i < 8; i++) {

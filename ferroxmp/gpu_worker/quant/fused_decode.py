@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from ferroxmp.gpu_worker.quant.groups import Groups
+from ferroxmp.gpu_worker.quant.int4x16 import Int4x16
 from ferroxmp.gpu_worker.quant.native import available, library, ptr
 from ferroxmp.gpu_worker.quant.packed import SMALL_ROWS, linear, cpu_f32_linear
 
@@ -60,7 +61,8 @@ def _float32(t: Optional[torch.Tensor], keep: list) -> Optional[int]:
 
 
 def _lin(w, bias: Optional[torch.Tensor], keep: list) -> _Lin:
-    """Groups, or a float32 tensor (d NULL tells fused_decode.c which)."""
+    """Int4x16, int8 Groups (m NULL) or a float32 tensor (d NULL): fused_decode.c tells
+    them apart by those fields."""
     n, k = w.shape
     if isinstance(w, torch.Tensor):
         return _Lin(_float32(w, keep), None, None, _float32(bias, keep), n, k)
@@ -68,10 +70,10 @@ def _lin(w, bias: Optional[torch.Tensor], keep: list) -> _Lin:
 
 
 def _fits(w) -> bool:
-    """A weight fused_decode.c multiplies: int4/int8 groups, or float32 rows of whole groups of
-    32 values on CPU (f32_mm's blocks)."""
-    if isinstance(w, Groups):
-        return True
+    """A weight fused_decode.c multiplies: int4 (packed: Int4x16), int8 groups, or float32
+    rows of whole groups of 32 values on CPU (f32_mm's blocks)."""
+    if isinstance(w, (Int4x16, Groups)):
+        return w.format != "int4" or isinstance(w, Int4x16)
     return (isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == "cpu"
             and w.is_contiguous() and w.shape[1] % 32 == 0)
 

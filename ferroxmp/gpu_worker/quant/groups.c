@@ -1,19 +1,18 @@
-/* Matmuls over weights kept in groups of 32 (quant/groups.py), float32 activations.
+/* Matmuls over weights kept in groups of 32 (quant/groups.py), float32 activations: int8
+   groups, and float32 rows through the same blocks.
 
    y[M, N] = x[M, K] @ W^T, W row n, group g (32 values):
-     int4: w = q * d + m, q in 0..15; byte j of a group holds value j (low nibble) and
-           value j + 16 (high nibble), the layout of GGUF's Q4_0/Q4_1 blocks, so those load
-           without a change of values;
-     int8: w = q * d, q in -127..127 (GGUF's Q8_0).
-   d, m: float16. Per output: the sum over groups of d * (q . x) (+ m * sum(x) for int4),
-   each group's dot product in float32 lanes. The order of the sum depends on K and on
-   the path (one activation row, 2-32 rows, or more: widened), never on the values of
-   the other rows.
+     int8: w = q * d, q in -127..127 (GGUF's Q8_0), d float16;
+     float32: the values as they are (f32_mm).
+   Per output: the sum over groups of d * (q . x), each group's dot product in float32
+   lanes. The order of the sum depends on K and on the path (one activation row, 2-32
+   rows, or more: widened), never on the values of the other rows. int4 has its own
+   layout and kernel (int4x16.c), included after this file.
 
-   Why our own kernel: torch's _weight_int4pack_mm_for_cpu / _weight_int8pack_mm measured
-   0.01-0.85x of float32 F.linear on this CPU (tools/bench_quant.py); this one unpacks a
-   group into float32 lanes (AVX2, or AVX-512 where the compiler targets it) and reuses it
-   for up to 4 activation rows. Built with the machine's compiler at first use (native.py). */
+   Why our own kernel: torch's _weight_int8pack_mm measured 0.01-0.85x of float32
+   F.linear on this CPU (tools/bench_quant.py); this one unpacks a group into float32 lanes
+   (AVX2, or AVX-512 where the compiler targets it) and reuses it for several activation
+   rows. Built with the machine's compiler at first use (native.py). */
 #include <stdint.h>
 #include <immintrin.h>
 
@@ -33,11 +32,6 @@ static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 #define VADD _mm512_add_ps
 #define VSET1 _mm512_set1_ps
 static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
-static inline void int4_unpack(const uint8_t* qb, VEC w[NV]) {
-  __m128i raw = _mm_loadu_si128((const __m128i*)qb), m4 = _mm_set1_epi8(15);
-  w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, m4)));
-  w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)));
-}
 static inline void int8_unpack(const int8_t* qb, VEC w[NV]) {
   w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qb)));
   w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qb + 16))));
@@ -57,14 +51,6 @@ static inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
-static inline void int4_unpack(const uint8_t* qb, VEC w[NV]) {
-  __m128i raw = _mm_loadu_si128((const __m128i*)qb), m4 = _mm_set1_epi8(15);
-  __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
-  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-}
 static inline void int8_unpack(const int8_t* qb, VEC w[NV]) {
   for (int i = 0; i < 4; i++)
     w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(qb + 8 * i))));
@@ -73,10 +59,8 @@ static inline void int8_unpack(const int8_t* qb, VEC w[NV]) {
 #define LANES (32 / NV)
 
 /* One activation row (decode at batch 1), the hot case: two groups per iteration into
-   two accumulators (independent chains). `unpack` is int4_unpack or int8_unpack (a
-   constant at each call: the compiler inlines it), `gbytes` a group's bytes. Returns
-   sum_g d * (q . x); the int4 min term is added by the caller as one dot product of the
-   row's mins with the groups' sums instead of a scalar step per group. */
+   two accumulators (independent chains). `unpack` is a constant at each call (the
+   compiler inlines it), `gbytes` a group's bytes. Returns sum_g d * (q . x). */
 typedef void (*unpack_fn)(const void*, VEC*);
 static inline float row_one(int K, const float* x, const uint8_t* qr, int gbytes, unpack_fn unpack,
                             const uint16_t* dr) {
@@ -106,15 +90,9 @@ static inline float row_one(int K, const float* x, const uint8_t* qr, int gbytes
   return hsum(a0) + hsum(a1);
 }
 
-static inline float min_term(int G, const uint16_t* mr, const float* xs) {
-  float s = 0;
-  for (int i = 0; i < G; i++) s += h2f(mr[i]) * xs[i];
-  return s;
-}
-
 /* Several activation rows (a batch of decode rows, a small chunk): output rows n .. n+nr-1
    for activation rows r0 .. r0+mb-1. Each group is unpacked once per block into its float
-   values q * d (+ m), the values int4_dequant writes, and multiplied by every row of the
+   values q * d, the values int8_dequant writes, and multiplied by every row of the
    block, each activation load serving the block's nr weight rows: the unpack is paid once
    per mb rows and the loads once per nr rows. A row's sum runs over the same values in the
    same order whatever the other rows hold. Called with constant nr and mb (rows_times), so
@@ -128,7 +106,7 @@ static inline float min_term(int G, const uint16_t* mr, const float* xs) {
 #endif
 #define MR 8
 static inline __attribute__((always_inline)) void block(int K, const float* x, int r0, int mb, int n, int nr,
-    int N, const uint8_t* q, int gbytes, unpack_fn unpack, const uint16_t* d, const uint16_t* m, float* y) {
+    int N, const uint8_t* q, int gbytes, unpack_fn unpack, const uint16_t* d, float* y) {
   int G = K / 32;
   VEC acc[NSTEP][MR];
   for (int j = 0; j < nr; j++)
@@ -151,12 +129,7 @@ static inline __attribute__((always_inline)) void block(int K, const float* x, i
       _mm_prefetch((const char*)qg + PREFETCH, _MM_HINT_T0);
       unpack(qg, w[j]);
       VEC dg = VSET1(h2f(d[(int64_t)(n + j) * G + g]));
-      if (m) {
-        VEC mg = VSET1(h2f(m[(int64_t)(n + j) * G + g]));
-        for (int v = 0; v < NV; v++) w[j][v] = VFMA(w[j][v], dg, mg);
-      } else {
-        for (int v = 0; v < NV; v++) w[j][v] = VMUL(w[j][v], dg);
-      }
+      for (int v = 0; v < NV; v++) w[j][v] = VMUL(w[j][v], dg);
     }
     for (int i = 0; i < mb; i++) {
       const float* xb = x + (int64_t)(r0 + i) * K + g * 32;
@@ -174,46 +147,27 @@ static inline __attribute__((always_inline)) void block(int K, const float* x, i
    parallel loop (one OpenMP region outlined for both formats would call `unpack` through
    a pointer). */
 static inline __attribute__((always_inline)) void rows_times(int n, int M, int N, int K, const float* x,
-    const uint8_t* q, int gbytes, unpack_fn unpack, const uint16_t* d, const uint16_t* m, float* y) {
+    const uint8_t* q, int gbytes, unpack_fn unpack, const uint16_t* d, float* y) {
   for (int r0 = 0; r0 < M; r0 += MR) {
     int mb = M - r0 < MR ? M - r0 : MR;
     if (N - n < NSTEP) {  /* the last output rows of an N that NSTEP does not divide */
-      for (int j = n; j < N; j++) block(K, x, r0, mb, j, 1, N, q, gbytes, unpack, d, m, y);
+      for (int j = n; j < N; j++) block(K, x, r0, mb, j, 1, N, q, gbytes, unpack, d, y);
       continue;
     }
-#define TALL(c) case c: block(K, x, r0, c, n, NSTEP, N, q, gbytes, unpack, d, m, y); break;
+#define TALL(c) case c: block(K, x, r0, c, n, NSTEP, N, q, gbytes, unpack, d, y); break;
 #define WIDE(c) case c: { for (int j = 0; j < NSTEP; j += NWIDE) \
-                          block(K, x, r0, c, n + j, NWIDE, N, q, gbytes, unpack, d, m, y); } break;
+                          block(K, x, r0, c, n + j, NWIDE, N, q, gbytes, unpack, d, y); } break;
     switch (mb) { TALL(1) TALL(2) TALL(3) TALL(4) WIDE(5) WIDE(6) WIDE(7) WIDE(8) }
 #undef TALL
 #undef WIDE
   }
 }
 
-void int4_mm(int M, int N, int K, const float* x, const uint8_t* q, const uint16_t* d,
-             const uint16_t* m, float* xs, float* y) {
-  int G = K / 32;
-  if (M > 1) {
-    #pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n += NSTEP) rows_times(n, M, N, K, x, q, 16, (unpack_fn)int4_unpack, d, m, y);
-    return;
-  }
-  for (int g = 0; g < G; g++) {  /* xs: caller's [G] scratch, the groups' sums of x (the m term) */
-    float s = 0;
-    for (int j = 0; j < 32; j++) s += x[g * 32 + j];
-    xs[g] = s;
-  }
-  #pragma omp parallel for schedule(static)
-  for (int n = 0; n < N; n++)
-    y[n] = row_one(K, x, q + (int64_t)n * (K / 2), 16, (unpack_fn)int4_unpack, d + (int64_t)n * G) +
-           min_term(G, m + (int64_t)n * G, xs);
-}
-
 void int8_mm(int M, int N, int K, const float* x, const int8_t* q, const uint16_t* d, float* y) {
   int G = K / 32;
   if (M > 1) {
     #pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n += NSTEP) rows_times(n, M, N, K, x, (const uint8_t*)q, 32, (unpack_fn)int8_unpack, d, 0, y);
+    for (int n = 0; n < N; n += NSTEP) rows_times(n, M, N, K, x, (const uint8_t*)q, 32, (unpack_fn)int8_unpack, d, y);
     return;
   }
   #pragma omp parallel for schedule(static)
@@ -223,17 +177,6 @@ void int8_mm(int M, int N, int K, const float* x, const int8_t* q, const uint16_
 
 /* Rows of W as float32 (out[N, K]): many activation rows (a prefill chunk) are multiplied
    by a float GEMM over this copy instead (its cost is paid once for the chunk). */
-void int4_dequant(int N, int K, const uint8_t* q, const uint16_t* d, const uint16_t* m, float* out) {
-  int G = K / 32;
-  #pragma omp parallel for schedule(static)
-  for (int n = 0; n < N; n++)
-    for (int g = 0; g < G; g++) {
-      VEC w[NV]; int4_unpack(q + (int64_t)n * (K / 2) + g * 16, w);
-      VEC dg = VSET1(h2f(d[(int64_t)n * G + g])), mg = VSET1(h2f(m[(int64_t)n * G + g]));
-      for (int v = 0; v < NV; v++) VSTORE(out + (int64_t)n * K + g * 32 + v * LANES, VFMA(w[v], dg, mg));
-    }
-}
-
 void int8_dequant(int N, int K, const int8_t* q, const uint16_t* d, float* out) {
   int G = K / 32;
   #pragma omp parallel for schedule(static)
@@ -274,5 +217,5 @@ void f32_mm(int M, int N, int K, const float* x, const float* w, float* y) {
     return;
   }
   #pragma omp parallel for schedule(static)
-  for (int n = 0; n < N; n += NSTEP) rows_times(n, M, N, K, x, (const uint8_t*)w, 128, (unpack_fn)f32_unpack, 0, 0, y);
+  for (int n = 0; n < N; n += NSTEP) rows_times(n, M, N, K, x, (const uint8_t*)w, 128, (unpack_fn)f32_unpack, 0, y);
 }

@@ -21,9 +21,9 @@ import subprocess
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# fused_decode.c includes groups.c: one translation unit, so the whole-step function calls the
-# one-row kernels inline. Both files are hashed into the cache key.
-SOURCES = (os.path.join(HERE, "groups.c"), os.path.join(HERE, "fused_decode.c"))
+# fused_decode.c includes groups.c and int4x16.c: one translation unit, so the whole-step
+# function calls the kernels inline. Every file is hashed into the cache key.
+SOURCES = tuple(os.path.join(HERE, f) for f in ("groups.c", "int4x16.c", "fused_decode.c"))
 # FERROXMP_KERNEL_MARCH: another -march (e.g. haswell: the AVX2 code on an AVX-512 CPU)
 FLAGS = ["-O3", f"-march={os.environ.get('FERROXMP_KERNEL_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC"]
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
@@ -87,9 +87,10 @@ def library() -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     lib = ctypes.CDLL(path)
-    for name in ("int4_mm", "int8_mm", "int4_dequant", "int8_dequant", "f32_mm", "fused_decode", "decode_attention"):
+    for name in ("int4x16_mm", "int4x16_rows", "int8_mm", "int8_dequant", "f32_mm",
+                 "fused_decode", "decode_attention"):
         getattr(lib, name).restype = None
-    lib.fused_decode_scratch.restype = ctypes.c_int64
+    lib.fused_decode_scratch.restype = lib.int4x16_scratch.restype = ctypes.c_int64
     return lib
 
 

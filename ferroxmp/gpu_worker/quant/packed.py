@@ -46,11 +46,11 @@ class PackedF16:
 
 def pack(w, model_dtype: torch.dtype):
     """A weight in the form its kernel wants: a float16 tensor in a model that computes in
-    another dtype (--quantization fp16) -> PackedF16; else as is (Groups are their own
-    kernel's layout)."""
+    another dtype (--quantization fp16) -> PackedF16; Groups -> Groups.packed() (int4:
+    Int4x16, its kernel's layout); a float tensor as it is."""
     if isinstance(w, torch.Tensor) and w.dtype == torch.float16 and model_dtype != torch.float16:
         return PackedF16(w)
-    return w
+    return w if isinstance(w, torch.Tensor) else w.packed()
 
 
 def release_freed_memory() -> None:

@@ -1,0 +1,71 @@
+"""What the int4 kernel (ferroxmp/gpu_worker/quant/int4x16.c) is specified to compute,
+in float64 from the canonical Groups fields (not from the kernel's own layout): the
+dequantized weight times the activations rounded to int8 per group of 32,
+
+    y = x' @ dequantize()^T,   x' = s_g * xq,  s_g = max|x_g| / 127,
+    xq = round_half_even(x * (127 / max|x_g|))   (float32 operations, as the kernel).
+
+`rounded_product` is that product; the kernel's float32 arithmetic stays within
+`float_bound` of it (a float32 sum of n terms in any order is within n * 2^-24 of the sum
+of their magnitudes; per group the integer dot, its two scalings and the m term, slack
+4). `rounding_bound` bounds how far the specification is from the float product
+x @ dequantize()^T: each activation moves by at most s_g / 2, so the difference is at
+most sum_g s_g / 2 * sum|w|_g.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _grid(x: torch.Tensor):
+    xg = x.float().reshape(x.shape[0], -1, 32)
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)  # tensor / tensor: rounded once, as C
+    return amax / 127, torch.round(xg * inv)
+
+
+def rounded_product(g, x: torch.Tensor) -> torch.Tensor:
+    s, xq = _grid(x)
+    return (xq.double() * s.double()).reshape(x.shape[0], -1) @ g.dequantize().double().T
+
+
+def float_bound(g, x: torch.Tensor) -> torch.Tensor:
+    s, xq = _grid(x)
+    w = g.dequantize().double().abs()
+    terms = (xq.double().abs() * s.double()).reshape(x.shape[0], -1) @ w.T
+    return 4 * (g.shape[1] + 64) * 2.0 ** -24 * terms + 1e-30
+
+
+def rounding_bound(g, x: torch.Tensor) -> torch.Tensor:
+    s, _ = _grid(x)
+    wsum = g.dequantize().double().abs().reshape(g.shape[0], -1, 32).sum(-1)
+    return (s.double().squeeze(-1) / 2 * (1 + 1e-6)) @ wsum.T
+
+
+def logit_noise(q_tokens: dict, q_logits: dict, f_tokens: dict, f_logits: dict) -> float:
+    """The largest difference between a quantized run's logits and the float run's, over
+    the steps where both had been given the same tokens (each row up to and including
+    its first differing token): what the quantization itself moves a logit by."""
+    worst = 0.0
+    for r in f_tokens:
+        for i, (a, b) in enumerate(zip(q_tokens[r], f_tokens[r])):
+            worst = max(worst, float((q_logits[r][i] - f_logits[r][i]).abs().max()))
+            if a != b:
+                break
+    return worst
+
+
+def unexplained_divergences(want: dict, want_logits: dict, got: dict, noise: float) -> list:
+    """Rows where `got` leaves `want` at a step where want's own logits did not make it a
+    close call: the two tokens' logits differ by more than 2 * noise (each run may move a
+    logit by `noise`). Greedy answers of two int4 runs that differ only in float order
+    (--tp, the fused step) may part where the int8 grid of the activations rounds a value
+    the other way (int4x16.c); nowhere else."""
+    bad = []
+    for r in want:
+        i = next((i for i, (a, b) in enumerate(zip(want[r], got[r])) if a != b), None)
+        if i is not None:
+            margin = float(want_logits[r][i][want[r][i]] - want_logits[r][i][got[r][i]])
+            if margin > 2 * noise:
+                bad.append((r, i, margin, noise))
+    return bad
