@@ -1,9 +1,10 @@
 """What the int4 kernel (ferroxmp/gpu_worker/quant/int4x16.c) is specified to compute,
 in float64 from the canonical Groups fields (not from the kernel's own layout): the
-dequantized weight times the activations rounded to int8 per group of 32,
+dequantized weight times the activations rounded per group of 32 to a grid of 2 * 32258
+steps (held as two int8 digits),
 
-    y = x' @ dequantize()^T,   x' = s_g * xq,  s_g = max|x_g| / 127,
-    xq = round_half_even(x * (127 / max|x_g|))   (float32 operations, as the kernel).
+    y = x' @ dequantize()^T,   x' = s_g * v,  s_g = max|x_g| / 32258,
+    v = round_half_even(x * (32258 / max|x_g|))   (float32 operations, as the kernel).
 
 `rounded_product` is that product; the kernel's float32 arithmetic stays within
 `float_bound` of it (a float32 sum of n terms in any order is within n * 2^-24 of the sum
@@ -16,12 +17,14 @@ from __future__ import annotations
 
 import torch
 
+GRID = 32258.0  # 127 * 254
+
 
 def _grid(x: torch.Tensor):
     xg = x.float().reshape(x.shape[0], -1, 32)
     amax = xg.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)  # tensor / tensor: rounded once, as C
-    return amax / 127, torch.round(xg * inv)
+    inv = torch.where(amax > 0, torch.full_like(amax, GRID) / amax, 0.0)  # tensor / tensor: rounded once, as C
+    return amax / GRID, torch.round(xg * inv)
 
 
 def rounded_product(g, x: torch.Tensor) -> torch.Tensor:
@@ -54,18 +57,3 @@ def logit_noise(q_tokens: dict, q_logits: dict, f_tokens: dict, f_logits: dict) 
                 break
     return worst
 
-
-def unexplained_divergences(want: dict, want_logits: dict, got: dict, noise: float) -> list:
-    """Rows where `got` leaves `want` at a step where want's own logits did not make it a
-    close call: the two tokens' logits differ by more than 2 * noise (each run may move a
-    logit by `noise`). Greedy answers of two int4 runs that differ only in float order
-    (--tp, the fused step) may part where the int8 grid of the activations rounds a value
-    the other way (int4x16.c); nowhere else."""
-    bad = []
-    for r in want:
-        i = next((i for i, (a, b) in enumerate(zip(want[r], got[r])) if a != b), None)
-        if i is not None:
-            margin = float(want_logits[r][i][want[r][i]] - want_logits[r][i][got[r][i]])
-            if margin > 2 * noise:
-                bad.append((r, i, margin, noise))
-    return bad

@@ -114,14 +114,16 @@ def test_past_fused_rows_a_decode_step_runs_eagerly_with_the_same_tokens(tiny_mo
 @pytest.mark.parametrize("mode", ["none", "int4"])
 def test_the_real_model_answers_the_same_in_one_call(make_harness, mode):
     """SmolLM2's Q4_1 GGUF dequantized to float32 (none) or as its file's own blocks (int4):
-    one question decoded alone, 24 tokens, fused and eager. Float32: the same tokens, logits
-    within 1e-4 of their scale. int4 rounds activations to an int8 grid inside each matmul
-    (int4x16.c), which turns the paths' float-order differences into ~2% of a hidden state
-    on this model (test_quant_model): the answers may part only at a close call, judged
-    against how far int4's own logits are from float32's (int4_oracle)."""
+    one question decoded alone, 24 tokens, fused and eager: the same tokens. Float32: logits
+    within 1e-4 of their scale. int4 rounds each group of activations to a grid of 1/32258
+    of its largest value inside each matmul (int4x16.c): where the two paths' float sums
+    differ in the last bit a value may round the other way, ~1e-4 of the logits' scale here,
+    what the grid moves them by against float32 at all. So each step's difference must stay
+    within twice int4's largest distance from the float32 path's logits (each path within
+    that distance of float32)."""
     from ferroxmp.checkpoint.default_model import default_model_path
     from ferroxmp.frontend.text.tokenizer import TextCodec
-    from int4_oracle import logit_noise, unexplained_divergences
+    from int4_oracle import logit_noise
     path = default_model_path()
     prompt = TextCodec(path).encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     answers = {}
@@ -130,14 +132,11 @@ def test_the_real_model_answers_the_same_in_one_call(make_harness, mode):
         assert (h.runner.model.fused_decode is not None) == key[1]
         answers[key] = h.generate({0: prompt}, 24)
         h.close()
-    (fused, _), (eager, eager_logits) = answers[(mode, True)], answers[(mode, False)]
-    if mode == "int4":
-        noise = logit_noise(eager, eager_logits, *answers[("none", False)])
-        assert unexplained_divergences(eager, eager_logits, fused, noise) == []
-        return
+    (fused, fused_logits), (eager, eager_logits) = answers[(mode, True)], answers[(mode, False)]
     assert fused == eager
-    for g, w in zip(answers[(mode, True)][1][0], eager_logits[0]):
-        assert (g - w).abs().max() <= 1e-4 * w.abs().max()
+    noise = logit_noise(eager, eager_logits, *answers[("none", False)]) if mode == "int4" else 0.0
+    for g, w in zip(fused_logits[0], eager_logits[0]):
+        assert (g - w).abs().max() <= max(1e-4 * w.abs().max(), 2 * noise)
 
 
 def test_where_it_cannot_run_the_step_stays_eager_and_says_why(tiny_models, make_harness):

@@ -1,8 +1,6 @@
-"""Compressed weights end to end: the real SmolLM2 Q4_1 GGUF kept as fp16 answers what the
-dequantized float32 path answers, and as its own int4 blocks (activations rounded to int8
-per group inside the matmul, as llama.cpp does) scores a fixed text within 2% of its
-perplexity; --tp 2 with compressed weights serves tp=1's tokens and reports its memory in
-/server_info.
+"""Compressed weights end to end: the real SmolLM2 Q4_1 GGUF kept as fp16, or as its own
+int4 blocks, answers what the dequantized float32 path answers; --tp 2 with compressed weights serves tp=1's tokens
+and reports its memory in /server_info.
 
 Oracles: the same runner on the same file with --quantization none (the float32 path
 test_default_model checks against transformers), and the tp=1 runner in-process.
@@ -15,47 +13,33 @@ from gguf import GGMLQuantizationType as Q
 from ferroxmp.gpu_worker.loader import load_config
 from ferroxmp.gpu_worker.parallel.group import Shard
 from gguf_writer import write_gguf
-from int4_oracle import logit_noise, unexplained_divergences
 from serverproc import ServerProcess, greedy_ids
 
 pytestmark = pytest.mark.timeout(600)
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Who wrote Romeo and Juliet?"]
 
 
-def test_the_smollm2_gguf_kept_as_fp16_answers_the_dequantized_paths_greedy_tokens_and_int4_its_perplexity(
-        make_harness):
-    """fp16 weights hold each Q4_1 value to 11 bits, far inside the file's own 4-bit step,
-    so greedy answers must not move (chunked prefill in chunks of 16 and a batch of 3 rows
-    are part of the path). int4 holds the file's blocks themselves but rounds activations
-    to int8 per group of 32 (int4x16.c): on this model, whose residual stream carries
-    channels of ~500, a 1e-7 change of the input moves a hidden state by ~2% through that
-    grid, so greedy answers part at close calls; what must hold is the quality: the
-    perplexity of 1,024 tokens of README.md, prefilled in two chunks of 512, within 2% of
-    the float path's (issue 30's bound for int8; 8,192 tokens measured +0.3%, as llama.cpp
-    with the same grid: docs/BENCHMARKS.md 24). int8 requantizes the Q4_1 values: measured,
-    not asserted (docs/BENCHMARKS.md 18)."""
-    import importlib.util
-    import os
+def test_the_smollm2_gguf_kept_as_fp16_or_int4_answers_the_dequantized_paths_greedy_tokens(make_harness):
+    """fp16 weights hold each Q4_1 value to 11 bits, far inside the file's own 4-bit step;
+    int4 holds the file's blocks themselves (int4x16.c multiplies them by activations on a
+    grid of 1/32258 of each group's largest value: perplexity within 0.01% of float32's,
+    docs/BENCHMARKS.md 24), so greedy answers must not move. int8 requantizes the Q4_1 values (within half an int8
+    step): measured, not asserted (docs/BENCHMARKS.md 18). Chunked prefill (chunks of 16,
+    the kernel path) and a batch of 3 rows are part of the path; 3 prompts x 12 tokens
+    keep it to three model loads and ~25 steps each."""
     from ferroxmp.checkpoint.default_model import default_model_path
     from ferroxmp.frontend.text.tokenizer import TextCodec
-    root = os.path.join(os.path.dirname(__file__), "..")
-    spec = importlib.util.spec_from_file_location("quant_perplexity", os.path.join(root, "tools", "quant_perplexity.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     path = default_model_path()
     codec = TextCodec(path)
     prompts = {i: codec.encode_chat([{"role": "user", "content": q}]) for i, q in enumerate(QUESTIONS)}
     answers = {}
-    for mode in ("none", "fp16"):
+    for mode in ("none", "fp16", "int4"):
         h = make_harness(path, max_rows=3, pages_per_row=8, quantization=mode)
         assert h.runner.quantization == mode
         answers[mode], _ = h.generate(prompts, 12, chunk=16)
         h.close()
     assert answers["fp16"] == answers["none"]
-    with open(os.path.join(root, "README.md")) as f:
-        ids = codec.encode(f.read())[:1024]
-    ppl = {mode: tool.perplexity(path, ids, mode, chunk=512) for mode in ("none", "int4")}
-    assert ppl["int4"] <= 1.02 * ppl["none"], ppl
+    assert answers["int4"] == answers["none"]
 
 
 @pytest.mark.parametrize("mode,qtype", [("fp16", Q.Q8_0), ("int4", Q.Q4_1)])
@@ -68,22 +52,15 @@ def test_tp2_with_compressed_weights_serves_tp1s_tokens_and_reports_its_memory(t
     path = write_gguf(tiny_models["llama"], str(tmp_path / f"llama-{qtype.name}.gguf"), qtype)
     prompts = {0: [5, 6, 7, 8, 9, 10, 11], 1: list(range(20, 45)), 2: [300, 17, 17, 4, 999, 123, 64, 3]}
     h = make_harness(path, page_size=4, quantization=mode)
-    want, want_logits = h.generate(prompts, 8)
+    want, _ = h.generate(prompts, 8)
     tp1_bytes = h.runner.memory_info()["weight_bytes"]
     h.close()
-    noise = 0.0
-    if mode == "int4":  # int4 rounds activations to an int8 grid: see unexplained_divergences
-        f = make_harness(path, page_size=4, quantization="none")
-        noise = logit_noise(want, want_logits, *f.generate(prompts, 8))
-        f.close()
     flags = ("--tp", "2", "--page-size", "4", "--kv-pages", "64", "--max-running-requests", "8",
              "--quantization", mode)
     with ServerProcess(path, *flags) as srv:
         got = greedy_ids(srv, prompts, 8)
         memory = srv.info["worker_info"]["memory"]
-    assert unexplained_divergences(want, want_logits, got, noise) == []
-    if mode != "int4":
-        assert got == want
+    assert got == want
     cfg = load_config(path)
     local = Shard(cfg, 0, 2).local_config
     assert memory["quantization"] == mode

@@ -1,6 +1,6 @@
-/* int4 weights in blocks of 16 rows times activations rounded to int8 (quant/int4x16.py):
-   the int4 multiply of a decode step and of small chunks. Included by fused_decode.c
-   after groups.c (h2f).
+/* int4 weights in blocks of 16 rows times activations on a 16-bit grid (quant/int4x16.py):
+   the int4 multiply of every step (decode rows and prefill chunks alike). Included by
+   fused_decode.c after groups.c (h2f, PREFETCH).
 
    Layout. Block b holds rows 16b .. 16b+15 (the last block padded with zero rows); group g
    of a block is 256 bytes: 4 pairs p of 64 bytes, byte k of pair p holding row 16b + k/4's
@@ -11,64 +11,96 @@
    int32 before the group's scales are applied. d, m: float16 [blocks][groups][16].
    Values as in groups.c: w = q * d + m, q in 0..15.
 
-   Activations: each row's group of 32 is rounded to int8 on its own grid, s = max|x| / 127,
-   xq = round(x / s) (GGUF's Q8_1; llama.cpp multiplies Q4 weights the same way), and
-     y = sum_g d_g * s_g * (q . xq)_g + m_g * s_g * sum(xq)_g,
-   the dequantized weight times the rounded activations, exactly: the error is
-   sum w * (s xq - x), at most sum_g s_g / 2 * sum|w|_g. (The m term over the exact sum
-   of x instead weighs each rounding error by q * d, 0..15 d, rather than by w, about
-   -8 d..7 d for Q4_0/Q4_1 blocks: twice the error, +1.1% perplexity on SmolLM2 against
-   +0.2%.) tests/int4_oracle.py is this formula in float64.
+   Activations: each row's group of 32 is rounded to v = round(x / s), s = max|x| / 32258
+   (a grid of 2 * 32258 steps, 16 bits), held as two int8 digits v = 254 * hi + lo, each
+   multiplied by the weights with the integer dot product above; then
+     y = sum_g d_g * s_g * (q . v)_g + m_g * s_g * sum(v)_g,
+   the dequantized weight times the rounded activations, exactly up to float32 rounding:
+   the error against float32 is sum w * (s v - x), at most sum_g s_g / 2 * sum|w|_g, 1/64516
+   of each group's largest activation per value. tests/int4_oracle.py is this formula in
+   float64. One int8 digit alone (llama.cpp's Q8_1, 1/254) halved the work again but moved
+   a close call of SmolLM2's greedy answers (the capital of France) and its hidden states
+   by ~2% under a 1e-7 change of the input (docs/BENCHMARKS.md 24).
 
-   Why: groups.c's int4 path widens every value to a float lane and spends one FMA per
-   value per activation row; here a value costs a quarter of an integer instruction per
-   row (vpdpbusd: 64 products; AVX2 or AVX-512 without VNNI: vpmaddubsw + vpmaddwd) and
-   the unpack is two ANDs and a shift per 128 values (docs/BENCHMARKS.md 24). */
+   Why: groups.c's float path widened every value to a float lane and spent one FMA per
+   value per activation row; here a value costs half an integer instruction per row
+   (two vpdpbusd of 64 products each; AVX2 or AVX-512 without VNNI: vpmaddubsw + vpmaddwd),
+   and the unpack is two ANDs and a shift per 128 values (docs/BENCHMARKS.md 24). */
 
 #define X16 16        /* rows per block */
 #define X16_MB 16     /* activation rows per pass over a block's groups (accumulators) */
 #define X16_BYTES 256 /* bytes per block and group */
+#define X16_GRID 32258.0f /* 127 * 254: the activations' grid, max |x| of a group at 32258 */
 
-/* One activation row's groups: xq [K] int8, sc [G] = s, sum [G] = s * sum(xq). */
+/* One activation row's groups, each rounded to v = round(x / s), s = max|x| / 32258, and v
+   split into two int8 digits v = 254 * hi + lo (hi = round(v / 254), so |lo| <= 127): xq
+   [K / 32][64] holds a group's 32 hi digits then its 32 lo digits; sc [G] = s, sum [G] =
+   s * sum(v). */
 static void x16_quantize_row(int K, const float* x, int8_t* xq, float* sc, float* sum) {
   for (int g = 0; g < K / 32; g++) {
     const float* xg = x + g * 32;
+    int8_t* out = xq + g * 64;
 #ifdef __AVX512F__
     __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
     float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
-    __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-    _mm_storeu_si128((__m128i*)(xq + g * 32), _mm512_cvtsepi32_epi8(qa));
-    _mm_storeu_si128((__m128i*)(xq + g * 32 + 16), _mm512_cvtsepi32_epi8(qb));
-    const int isum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    __m512 inv = _mm512_set1_ps(amax > 0 ? X16_GRID / amax : 0.0f);
+    __m512i v[2] = {_mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), _mm512_cvtps_epi32(_mm512_mul_ps(b, inv))};
+    for (int h = 0; h < 2; h++) {
+      __m512i hi = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_cvtepi32_ps(v[h]), _mm512_set1_ps(254.0f)));
+      __m512i lo = _mm512_sub_epi32(v[h], _mm512_mullo_epi32(hi, _mm512_set1_epi32(254)));
+      _mm_storeu_si128((__m128i*)(out + 16 * h), _mm512_cvtsepi32_epi8(hi));
+      _mm_storeu_si128((__m128i*)(out + 32 + 16 * h), _mm512_cvtsepi32_epi8(lo));
+    }
+    const int isum = _mm512_reduce_add_epi32(_mm512_add_epi32(v[0], v[1]));
 #else
-    __m256 v[4], mx = _mm256_setzero_ps();
+    __m256 f[4], mx = _mm256_setzero_ps();
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int i = 0; i < 4; i++) {
-      v[i] = _mm256_loadu_ps(xg + 8 * i);
-      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+      f[i] = _mm256_loadu_ps(xg + 8 * i);
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, f[i]));
     }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    __m256 inv = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
-    __m256i q[4];
-    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    __m256 inv = _mm256_set1_ps(amax > 0 ? X16_GRID / amax : 0.0f);
+    __m256i v[4], hi[4], lo[4], s4 = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+      v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(f[i], inv));
+      hi[i] = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_cvtepi32_ps(v[i]), _mm256_set1_ps(254.0f)));
+      lo[i] = _mm256_sub_epi32(v[i], _mm256_mullo_epi32(hi[i], _mm256_set1_epi32(254)));
+      s4 = _mm256_add_epi32(s4, v[i]);
+    }
     /* packs work within 128-bit halves: the permute puts the 8 dwords back in order */
-    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256((__m256i*)(xq + g * 32), p);
-    __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256i* t[2] = {hi, lo};
+    for (int h = 0; h < 2; h++) {
+      __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(t[h][0], t[h][1]), _mm256_packs_epi32(t[h][2], t[h][3]));
+      _mm256_storeu_si256((__m256i*)(out + 32 * h), _mm256_permutevar8x32_epi32(p, order));
+    }
     __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
     s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0x4e));
     const int isum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xb1)));
 #endif
-    sc[g] = amax / 127.0f;
+    sc[g] = amax / X16_GRID;
     sum[g] = sc[g] * (float)isum;
   }
 }
 
 #ifdef __AVX512BW__
+/* q . digits for 16 rows: w [8] a group's pairs' nibble planes, x4 [8] its 32 digits as 4-byte words. */
+static inline __m512i x16_dot(const __m512i w[8], const int32_t* x4) {
+#ifdef __AVX512VNNI__
+  __m512i acc = _mm512_setzero_si512();
+  for (int j = 0; j < 8; j++) acc = _mm512_dpbusd_epi32(acc, w[j], _mm512_set1_epi32(x4[j]));
+  return acc;
+#else
+  /* 8 x 2 products of at most 15 * 127 each: 30,480 fits int16 (no saturation) */
+  __m512i s16 = _mm512_setzero_si512();
+  for (int j = 0; j < 8; j++) s16 = _mm512_add_epi16(s16, _mm512_maddubs_epi16(w[j], _mm512_set1_epi32(x4[j])));
+  return _mm512_madd_epi16(s16, _mm512_set1_epi16(1));
+#endif
+}
+
 /* A block's group times `mb` activation rows (mb a constant at each call: the
    accumulators f stay in registers), out [mb][16]. */
 static inline __attribute__((always_inline)) void x16_block(int G, int mb, const int8_t* xq, const float* sc,
@@ -89,16 +121,10 @@ static inline __attribute__((always_inline)) void x16_block(int G, int mb, const
     __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(db + g * 16)));
     __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mbk + g * 16)));
     for (int r = 0; r < mb; r++) {
-      const int32_t* x4 = (const int32_t*)(xq + (int64_t)r * G * 32 + g * 32);
-#ifdef __AVX512VNNI__
-      __m512i acc = _mm512_setzero_si512();
-      for (int j = 0; j < 8; j++) acc = _mm512_dpbusd_epi32(acc, w[j], _mm512_set1_epi32(x4[j]));
-#else
-      /* 8 x 2 products of at most 15 * 127 each: 30,480 fits int16 (no saturation) */
-      __m512i s16 = _mm512_setzero_si512();
-      for (int j = 0; j < 8; j++) s16 = _mm512_add_epi16(s16, _mm512_maddubs_epi16(w[j], _mm512_set1_epi32(x4[j])));
-      __m512i acc = _mm512_madd_epi16(s16, _mm512_set1_epi16(1));
-#endif
+      const int32_t* x4 = (const int32_t*)(xq + (int64_t)r * G * 64 + g * 64);
+      __m512i acc = x16_dot(w, x4 + 8);  /* the lo digits, then 254 * the hi ones */
+      __m512i hi = x16_dot(w, x4);
+      acc = _mm512_add_epi32(acc, _mm512_sub_epi32(_mm512_slli_epi32(hi, 8), _mm512_slli_epi32(hi, 1)));
       const int64_t rg = (int64_t)r * G + g;
       f[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(sc[rg])), d, f[r]);
       f[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sum[rg]), f[r]);
@@ -127,11 +153,17 @@ static inline __attribute__((always_inline)) void x16_half(int G, int h, int mb,
     __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(db + g * 16 + 8 * h)));
     __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mbk + g * 16 + 8 * h)));
     for (int r = 0; r < mb; r++) {
-      const int32_t* x4 = (const int32_t*)(xq + (int64_t)r * G * 32 + g * 32);
-      __m256i s16 = _mm256_setzero_si256();  /* 8 x 2 products of at most 15 * 127: fits int16 */
-      for (int j = 0; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(x4[j])));
+      const int32_t* x4 = (const int32_t*)(xq + (int64_t)r * G * 64 + g * 64);
+      __m256i acc[2];
+      for (int h = 0; h < 2; h++) {  /* hi digits, lo digits */
+        __m256i s16 = _mm256_setzero_si256();  /* 8 x 2 products of at most 15 * 127: fits int16 */
+        for (int j = 0; j < 8; j++)
+          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(x4[8 * h + j])));
+        acc[h] = _mm256_madd_epi16(s16, ones);
+      }
       const int64_t rg = (int64_t)r * G + g;
-      __m256 v = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+      __m256 v = _mm256_cvtepi32_ps(_mm256_add_epi32(acc[1], _mm256_sub_epi32(_mm256_slli_epi32(acc[0], 8),
+                                                                           _mm256_slli_epi32(acc[0], 1))));
       f[r] = _mm256_fmadd_ps(_mm256_mul_ps(v, _mm256_set1_ps(sc[rg])), d, f[r]);
       f[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sum[rg]), f[r]);
     }
@@ -142,18 +174,18 @@ static inline __attribute__((always_inline)) void x16_half(int G, int h, int mb,
 #endif
 
 /* Scratch bytes int4x16_mm needs for M activation rows of K values. */
-int64_t int4x16_scratch(int M, int K) { return (int64_t)M * K + 2 * (int64_t)M * (K / 32) * sizeof(float); }
+int64_t int4x16_scratch(int M, int K) { return 2 * (int64_t)M * K + 2 * (int64_t)M * (K / 32) * sizeof(float); }
 
 /* y[M][N] = x[M][K] W^T for W in blocks (N rows, ceil(N / 16) blocks). scratch: int4x16_scratch bytes. */
 void int4x16_mm(int M, int N, int K, const float* x, const uint8_t* q, const uint16_t* d, const uint16_t* m,
                 void* scratch, float* y) {
   const int G = K / 32, NB = (N + X16 - 1) / X16;
   int8_t* xq = (int8_t*)scratch;
-  float* sc = (float*)(xq + (int64_t)M * K);
+  float* sc = (float*)(xq + 2 * (int64_t)M * K);
   float* sum = sc + (int64_t)M * G;
   #pragma omp parallel for schedule(static) if (M >= 8)
   for (int r = 0; r < M; r++)
-    x16_quantize_row(K, x + (int64_t)r * K, xq + (int64_t)r * K, sc + (int64_t)r * G, sum + (int64_t)r * G);
+    x16_quantize_row(K, x + (int64_t)r * K, xq + 2 * (int64_t)r * K, sc + (int64_t)r * G, sum + (int64_t)r * G);
   #pragma omp parallel for schedule(static)
   for (int b = 0; b < NB; b++) {
     const uint8_t* qb = q + (int64_t)b * G * X16_BYTES;
@@ -161,7 +193,7 @@ void int4x16_mm(int M, int N, int K, const float* x, const uint8_t* q, const uin
     const int rows = N - b * X16 < X16 ? N - b * X16 : X16;
     for (int r0 = 0; r0 < M; r0 += X16_MB) {
       const int mb = M - r0 < X16_MB ? M - r0 : X16_MB;
-      const int8_t* xr = xq + (int64_t)r0 * K;
+      const int8_t* xr = xq + 2 * (int64_t)r0 * K;
       const float *scr = sc + (int64_t)r0 * G, *sumr = sum + (int64_t)r0 * G;
       float out[X16_MB * 16];
 #ifdef __AVX512BW__
@@ -173,7 +205,7 @@ void int4x16_mm(int M, int N, int K, const float* x, const uint8_t* q, const uin
       for (int h = 0; h < X16_HALVES; h++)
         for (int i = 0; i < mb; i += 4) {
           const int n4 = mb - i < 4 ? mb - i : 4;
-#define MB(c) case c: x16_half(G, h, c, xr + (int64_t)i * K, scr + (int64_t)i * G, sumr + (int64_t)i * G, \
+#define MB(c) case c: x16_half(G, h, c, xr + 2 * (int64_t)i * K, scr + (int64_t)i * G, sumr + (int64_t)i * G, \
                                qb, db, mbk, out + i * 16); break;
           switch (n4) { MB(1) MB(2) MB(3) MB(4) }
 #undef MB

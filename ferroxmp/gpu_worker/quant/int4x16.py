@@ -1,10 +1,10 @@
 """Int4x16: an int4 weight in the layout its kernel multiplies (int4x16.c): blocks of 16
 rows, each group of 32 values a block holds as 256 bytes that two registers of 16 lanes
-load, activations rounded to int8 per group of 32.
+load; activations rounded per group of 32 to a 16-bit grid (two int8 digits).
 
 Job: the form every int4 Groups takes once the model is built (packed.pack): called like
 F.linear for any number of activation rows (the kernel beats widening to float32 for a
-GEMM at every chunk size measured, 2.6-3.7x at 32-512 rows: docs/BENCHMARKS.md 24), and
+GEMM at every chunk size measured: docs/BENCHMARKS.md 24), and
 read row by row (the embedding; a head tied to it is the same object). Loading, cutting
 and fusing stay with Groups (canonical GGUF layout); this is made once from the finished
 weight.
