@@ -357,6 +357,10 @@ def _explicit_hf_cases(tiny_models, tmp) -> dict[str, tuple[str, str]]:
         "llama3 rope with equal low and high factors": (_hf_variant(src, str(tmp / "r"), rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 512}), "high_freq_factor"),
+        "llama3 rope factor 1.7e-41 (the frequencies divided into inf: NaN logits)": (_hf_variant(
+            src, str(tmp / "rf"), rope_scaling={"rope_type": "llama3", "factor": 1.7465107202841992e-41,
+                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 512}), "factor"),
         "truncated safetensors": (st_file, "data_offsets"),
     }
 

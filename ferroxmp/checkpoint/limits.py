@@ -80,7 +80,8 @@ def _rope(path: str, key: str, rope: Any) -> None:
     if rope.get("rope_theta") is not None:
         float_field(path, f"{key}.rope_theta", rope["rope_theta"], 0.0, 1e12)
     if kind in ("linear", "llama3"):
-        float_field(path, f"{key}.factor", rope.get("factor"), 0.0, 1e6)
+        # >= 1, as transformers validates it: a factor near 0 divides the frequencies into inf
+        float_field(path, f"{key}.factor", rope.get("factor"), 1.0, 1e6, lo_open=False)
     if kind == "llama3":  # the smoothing divides by high - low: they must differ
         lo = float_field(path, f"{key}.low_freq_factor", rope.get("low_freq_factor"), 0.0, 1e6)
         float_field(path, f"{key}.high_freq_factor", rope.get("high_freq_factor"), lo, 1e6)
