@@ -9,10 +9,11 @@ group: GGUF Q4_0/Q4_1 map onto it exactly: scale = d, zero = m + 8d for q - 8, c
 against the dequantized float), `_weight_int8pack_mm` (int8 weights, one scale per output
 row, float activations), FBGEMM's `quantized::linear_dynamic_fp16` (fp16 weights, float32
 activations), `quantized::linear_dynamic` (int8 weights per row AND activations
-quantized to uint8 per call: W8A8), and ferroxmp's own groups of 32 (quant/groups.c,
-float32 activations: `grp-int4` = GGUF Q4_1's layout, `grp-int8` = Q8_0's; `grp-f32`:
-float32 weights through the same blocks, f32_mm, what packed.cpu_f32_linear calls at
-1-16 rows). Each cell is the median of `repeats` rounds; the kernels alternate
+quantized to uint8 per call: W8A8), and ferroxmp's own groups of 32: `grp-int4` =
+GGUF Q4_1's values in quant/int4x16.c's blocks of 16 rows (activations on a 16-bit grid,
+integer dot products: what a built model multiplies), `grp-int8` = Q8_0's (quant/groups.c,
+float32 activations), `grp-f32`: float32 weights through groups.c's blocks, f32_mm, what
+packed.cpu_f32_linear calls at 1-16 rows). Each cell is the median of `repeats` rounds; the kernels alternate
 inside a round so that load from other processes hits them alike. Prints one table
 (ms per call and the speed-up over float32). On a shared box, label the figures
 contaminated.
@@ -54,9 +55,9 @@ def kernels(n: int, k: int, group: int = 32):
         qw = torch._make_per_channel_quantized_tensor(q8, s8.double(), torch.zeros(n, dtype=torch.long), 0)
     fb8 = torch.ops.quantized.linear_prepack(qw, None)
     fb16 = torch.ops.quantized.linear_prepack_fp16(w, None)
-    from ferroxmp.gpu_worker.quant import Groups
+    from ferroxmp.gpu_worker.quant import Groups, pack
     from ferroxmp.gpu_worker.quant.packed import f32_mm
-    g4, g8 = Groups.quantize(w, "int4"), Groups.quantize(w, "int8")
+    g4, g8 = pack(Groups.quantize(w, "int4"), torch.float32), Groups.quantize(w, "int8")
     return {"f32": lambda x: F.linear(x, w),
             "int8": lambda x: torch.ops.aten._weight_int8pack_mm(x, q8, s8),
             "int4": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz),
