@@ -36,6 +36,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Optional
 
 import waitress
 import zmq
@@ -47,11 +48,13 @@ from ferroxmp.frontend.bridge import Bridge
 from ferroxmp.frontend.metrics import Metrics
 from ferroxmp.frontend.state import FrontendState
 from ferroxmp.frontend.text.tokenizer import TextCodec
+from ferroxmp.heap import release_freed_memory
 from ferroxmp.liveness import Heartbeat, remove_if_orphaned
 
 log = logging.getLogger("ferroxmp.frontend")
 
 _WATCH_S = 0.05  # how soon SIGTERM starts the drain (every stop waits on it)
+_TRIM_IDLE_S = 0.5  # no request in flight this long: the heap's free pages go back (the worker's idle too)
 _SHUTDOWN_FLUSH_S = 2.0  # in-flight requests write their error; the supervisor waits 3 s for us
 _FD_RESERVE = 256  # descriptors kept for zmq, the tokenizer, logs
 _MAX_CONNECTIONS = 65536
@@ -145,10 +148,17 @@ def run_frontend(args: dict, run_dir: str, worker_info: dict, pids: dict) -> int
              args.get("host"), port, threads, connections)
     _send_ready(run_dir, port)
 
+    release_freed_memory()  # the tokenizer's build and the app's setup
     code = 0
+    last_busy: Optional[float] = None  # when a request was last seen in flight (None: trimmed since)
     try:
         while True:
             time.sleep(_WATCH_S)
+            if state.in_flight:
+                last_busy = time.monotonic()
+            elif last_busy is not None and time.monotonic() - last_busy > _TRIM_IDLE_S:
+                release_freed_memory()  # a load's buffers go back to the OS, once per idle spell
+                last_busy = None
             if signals["parent_gone"] or os.getppid() != parent:
                 log.error("the supervisor (pid %d) is gone; exiting", parent)
                 code = 1

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from ferroxmp.checkpoint import is_gguf
 from ferroxmp.checkpoint.limits import CheckpointError, check_config, is_int
 from ferroxmp.config import read_json as _read_json
+from ferroxmp.heap import release_freed_memory
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -272,11 +273,6 @@ def _compress_then_select(name: str, t: torch.Tensor, fmt: str, select: Optional
     return g[index] if index else g
 
 
-def _release_freed_memory() -> None:
-    from ferroxmp.gpu_worker.quant.packed import release_freed_memory
-    release_freed_memory()
-
-
 def _float_dtype(fmt: Optional[str], dtype: torch.dtype) -> torch.dtype:
     return torch.float16 if fmt == "fp16" else dtype
 
@@ -293,7 +289,7 @@ def load_weights(model_path: str, device: torch.device, dtype: torch.dtype,
     from ferroxmp.gpu_worker.quant import target_format
     if is_gguf(model_path):
         out = _load_gguf_weights(model_path, device, dtype, select, quantization)
-        _release_freed_memory()
+        release_freed_memory()
         return out
     from safetensors import safe_open
     out: dict[str, Any] = {}
@@ -316,7 +312,7 @@ def load_weights(model_path: str, device: torch.device, dtype: torch.dtype,
                             t.to(device=device, dtype=_float_dtype(fmt, dtype))
                     bar.update()
     if quantization != "none":
-        _release_freed_memory()
+        release_freed_memory()
     return out
 
 

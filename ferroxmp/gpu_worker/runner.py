@@ -40,7 +40,8 @@ from ferroxmp.gpu_worker.pooling import MODES as POOLING_MODES, Pooled, normed
 from ferroxmp.gpu_worker.quant import describe_bytes, resolve_mode
 from ferroxmp.gpu_worker.quant.native import available as native_available
 from ferroxmp.gpu_worker.quant.fused_decode import FUSED_ROWS, FusedDecode
-from ferroxmp.gpu_worker.quant.packed import cpu_f32_linear, release_freed_memory
+from ferroxmp.gpu_worker.quant.packed import cpu_f32_linear
+from ferroxmp.heap import release_freed_memory
 from ferroxmp.gpu_worker.sampling.sampler import RowSample, logprobs_of, sample, sample_rows
 
 if TYPE_CHECKING:  # llguidance (grammar.py) loads on the first constrained request

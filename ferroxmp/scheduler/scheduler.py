@@ -18,6 +18,7 @@ import time
 import zmq
 
 from ferroxmp.config import setup_logging, watch_parent
+from ferroxmp.heap import release_freed_memory
 from ferroxmp.liveness import Heartbeat
 from ferroxmp.wakeup import drain, wake_on_signals
 from ferroxmp.protocol import (AbortReq, BatchResult, FlushCache, GenerateReq, GrammarReady, KVLoaded, KVTierReport,
@@ -57,6 +58,7 @@ def run_scheduler(args: dict, run_dir: str, pool_name: str, worker_info: dict) -
     log.info("scheduler ready: %d pages of %d tokens, max %d rows, overlap %s, radix %s",
              pool.num_pages, core.cfg.page_size, pool.max_rows, max_inflight == 2, core.cfg.radix)
     last_beat = 0.0
+    worked = False  # a batch went out since the heap was last trimmed
     try:
         while not stop["now"]:
             heart.beat()
@@ -81,6 +83,7 @@ def run_scheduler(args: dict, run_dir: str, pool_name: str, worker_info: dict) -
                 if batch is None:
                     break
                 to_worker.send(encode(batch), copy=False)
+                worked = True
             for op in core.take_kv_ops():  # a flush, or loads started with no batch to send
                 to_worker.send(encode(op))
             outs = core.take_outputs()
@@ -88,6 +91,9 @@ def run_scheduler(args: dict, run_dir: str, pool_name: str, worker_info: dict) -
             if outs or beat:
                 to_frontend.send(encode(TokenOut(outs, core.stats() if beat else None)), copy=False)
                 last_beat = now if beat else last_beat
+            if beat and worked and core.idle:  # a load ended: its requests' pages go back to the OS
+                release_freed_memory()
+                worked = False
             if beat and not parent_alive():
                 log.warning("supervisor is gone; exiting")
                 break

@@ -29,7 +29,7 @@ from ferroxmp.gpu_worker.loader import ModelConfig
 from ferroxmp.gpu_worker.quant import cat_rows
 from ferroxmp.gpu_worker.quant import linear as quant_linear
 from ferroxmp.gpu_worker.quant import pack as quant_pack
-from ferroxmp.gpu_worker.quant.packed import release_freed_memory
+from ferroxmp.heap import release_freed_memory
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -11,7 +11,6 @@ bytes in its own layout); CPU only (policy.resolve_mode refuses fp16 elsewhere).
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Optional
 
 import torch
@@ -51,16 +50,6 @@ def pack(w, model_dtype: torch.dtype):
     if isinstance(w, torch.Tensor) and w.dtype == torch.float16 and model_dtype != torch.float16:
         return PackedF16(w)
     return w if isinstance(w, torch.Tensor) else w.packed()
-
-
-def release_freed_memory() -> None:
-    """Give freed memory (a GGUF tensor dequantized on the way in, the float32 input of a
-    prepack, a load's activations once the worker is idle) back to the OS: glibc keeps freed heap pages otherwise, and the
-    resident size would still count them. A no-op where libc is not glibc."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
