@@ -322,7 +322,7 @@ def _load_gguf_weights(model_path: str, device: torch.device, dtype: torch.dtype
     from ferroxmp.checkpoint.gguf_file import open_gguf
     from ferroxmp.checkpoint.gguf_weights import hf_name, row_order, weight, weight_names
     from ferroxmp.gpu_worker.quant import Groups, target_format
-    from ferroxmp.gpu_worker.quant.policy import AS_STORED, log_gguf_conversions
+    from ferroxmp.gpu_worker.quant.policy import log_gguf_conversions, read_as_groups
     g = open_gguf(model_path)
     raw = hf_config(g)
     heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]
@@ -337,7 +337,7 @@ def _load_gguf_weights(model_path: str, device: torch.device, dtype: torch.dtype
             name, info = hf_name(n), g.tensors[n]
             fmt = target_format(name, info.shape, quantization, info.type_name)
             bar.update()
-            if fmt in ("int4", "int8") and AS_STORED.get(info.type_name) == fmt:
+            if read_as_groups(info.type_name, fmt):
                 index = () if select is None else select(name, tuple(info.shape))
                 if index is not None:
                     blocks = Groups.from_gguf(g.raw(n), info.type_name)

@@ -75,7 +75,11 @@ class Groups:
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, type_name: str) -> "Groups":
-        """GGUF blocks ([rows, row_bytes], as stored) of Q4_0, Q4_1 or Q8_0, values unchanged."""
+        """GGUF blocks ([rows, row_bytes], as stored) of Q4_0, Q4_1 or Q8_0, values unchanged;
+        Q4_K's values unchanged, its sub-blocks' scales (d * 6-bit scale, dmin * 6-bit min)
+        rounded once to float16."""
+        if type_name == "Q4_K":
+            return cls._from_q4_k(np.asarray(raw))
         rows = raw.shape[0]
         size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
         b = torch.from_numpy(np.array(raw).reshape(rows, -1, size))  # a copy: the file is mapped read-only
@@ -88,6 +92,33 @@ class Groups:
             raise ValueError("a Q4_0 scale too large for float16 once multiplied by 8")
         start = 4 if type_name == "Q4_1" else 2
         return cls(b[..., start:].contiguous().reshape(rows, -1).contiguous(), d, m)
+
+    @classmethod
+    def _from_q4_k(cls, raw: np.ndarray) -> "Groups":
+        """Q4_K: super-blocks of 256 values (144 bytes: float16 d and dmin, 12 bytes of
+        6-bit scales and mins for 8 sub-blocks of 32, 128 bytes of nibbles; a sub-block's
+        value is d * scale * q - dmin * min). Each sub-block is one group here: its 32 q
+        as stored, d = d * scale and m = -dmin * min (products exact in float32, then
+        float16). The nibbles of 64 values c*64 .. c*64+63 sit in 32 bytes, low nibbles
+        the first sub-block; a group here wants byte j = value j | value j + 16 << 4."""
+        rows = raw.shape[0]
+        b = raw.reshape(rows, -1, 144)
+        d = b[..., 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = b[..., 2:4].copy().view(np.float16).astype(np.float32)
+        s = b[..., 4:16].astype(np.int32)
+        lo6, hi2 = s[..., 0:4] & 63, s[..., 0:4] >> 6   # bytes 0-3: scales 0-3 (+ 2 high bits of 4-7)
+        mlo6, mhi2 = s[..., 4:8] & 63, s[..., 4:8] >> 6  # bytes 4-7: mins 0-3 (+ 2 high bits of mins 4-7)
+        scale = np.concatenate([lo6, (s[..., 8:12] & 15) | (hi2 << 4)], axis=-1)
+        mins = np.concatenate([mlo6, (s[..., 8:12] >> 4) | (mhi2 << 4)], axis=-1)
+        qs = b[..., 16:144].reshape(rows, -1, 4, 32)
+        v = np.stack([qs & 15, qs >> 4], axis=3).reshape(rows, -1, 32)  # [rows, groups, 32] in order
+        q = (v[..., :16] | (v[..., 16:] << 4)).reshape(rows, -1)
+        with np.errstate(over="ignore"):
+            dg = (d * scale).astype(np.float16).reshape(rows, -1)
+            mg = (-(dmin * mins)).astype(np.float16).reshape(rows, -1)
+        if not (np.isfinite(dg).all() and np.isfinite(mg).all()):
+            raise ValueError("a Q4_K sub-block scale too large for float16")
+        return cls(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(dg), torch.from_numpy(mg))
 
     # --- reading it -----------------------------------------------------------------------
     def values(self) -> torch.Tensor:

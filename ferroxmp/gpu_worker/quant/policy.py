@@ -7,11 +7,13 @@ Modes (--quantization):
   --dtype says; on CUDA, or under --deterministic, everything is float.
 - none: float, a GGUF dequantized at load (the reference path).
 - fp16: weights in float16 through FBGEMM's fp16 GEMM, activations float32.
-- int4: weights in groups of 32 (groups.py), activations float32. The projections are
-  int4; the embedding and the LM head int8 (their error reaches every logit). A GGUF
-  keeps its Q4_0/Q4_1 and Q8_0 tensors as stored (same values) and converts every other
-  block type (Q5_*, K-quants...) to int8, the nearest format with a kernel that holds
-  their values to within 1/254 of a group's range.
+- int4: weights in groups of 32 (groups.py; int4 multiplied by int4x16.c, activations on
+  a 16-bit grid inside the matmul). The projections are int4; the embedding and the LM
+  head int8 (their error reaches every logit). A GGUF keeps its Q4_0/Q4_1 and Q8_0
+  tensors as stored (same values), its Q4_K as int4 with the same values (sub-block
+  scales rounded to float16), and converts every other block type (Q5_*, Q6_K...) to
+  int8, the nearest format with a kernel that holds their values to within 1/254 of a
+  group's range.
 - int8: every compressed tensor int8 in groups of 32 (a GGUF's Q8_0 as stored).
 A tensor whose rows are not a multiple of 32 wide stays float. fp16/int4/int8 are refused
 by name on CUDA and with --deterministic, int4/int8 also where their kernels cannot be
@@ -19,7 +21,7 @@ built (native.py).
 
 Compressed tensors: every attention and MLP projection, the LM head and the embedding
 table. fp16 packs a tied head as its own FBGEMM copy (2 x the table); int4/int8 multiply
-by the embedding's own groups (one copy). Norms and biases stay float.
+by the embedding's own groups (one copy; int4: the packed Int4x16 serves both). Norms and biases stay float.
 
 Invariants: `resolve_mode` never returns a mode the device cannot run; `tensor_bytes`
 adds up exactly the bytes the model holds (tested against the tensors themselves), and
@@ -39,6 +41,14 @@ QUANTIZED_SUFFIXES = ("_proj.weight", "model.embed_tokens.weight", "lm_head.weig
 TABLES = ("model.embed_tokens.weight", "lm_head.weight")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 AS_STORED = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}  # GGUF types groups.py reads unchanged
+# GGUF types whose values groups.py reads unchanged but whose per-group scales it rounds
+# to float16 once (Q4_K: d * 6-bit scale, dmin * 6-bit min per sub-block of 32)
+AS_STORED_VALUES = {"Q4_K": "int4"}
+
+
+def read_as_groups(type_name: str, fmt: Optional[str]) -> bool:
+    """Groups.from_gguf reads this GGUF type's blocks straight into `fmt` (no dequantize)."""
+    return fmt is not None and {**AS_STORED, **AS_STORED_VALUES}.get(type_name) == fmt
 
 
 class QuantizationRefused(ValueError):
@@ -100,8 +110,8 @@ def target_format(name: str, shape: tuple, mode: str, stored: Optional[str] = No
         return None
     if mode == "int8":
         return "int8"
-    if stored in AS_STORED:
-        return AS_STORED[stored]
+    if stored in AS_STORED or stored in AS_STORED_VALUES:
+        return {**AS_STORED, **AS_STORED_VALUES}[stored]
     if stored is not None and stored not in FLOAT_TYPES:
         return "int8"
     return "int8" if name.endswith(TABLES) else "int4"
@@ -153,6 +163,8 @@ def log_gguf_conversions(g, mode: str) -> None:
             how = "float16 (FBGEMM fp16 GEMM, float32 activations)"
         elif AS_STORED.get(type_name) == fmt:
             how = f"{fmt} in groups of 32, as stored"
+        elif read_as_groups(type_name, fmt):
+            how = f"{fmt} in groups of 32, values as stored, sub-block scales rounded to float16"
         else:
             how = f"{fmt} in groups of 32 (dequantized, then requantized: {type_name} is not read as stored)"
         log.info("GGUF %s: %d tensors -> %s", type_name, count, how)
