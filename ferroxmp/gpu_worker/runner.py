@@ -40,6 +40,7 @@ from ferroxmp.gpu_worker.pooling import MODES as POOLING_MODES, Pooled, normed
 from ferroxmp.gpu_worker.quant import describe_bytes, resolve_mode
 from ferroxmp.gpu_worker.quant.native import available as native_available
 from ferroxmp.gpu_worker.quant.fused_decode import FUSED_ROWS, FusedDecode
+from ferroxmp.gpu_worker.quant.glue import RowGlue
 from ferroxmp.gpu_worker.quant.packed import cpu_f32_linear
 from ferroxmp.heap import release_freed_memory
 from ferroxmp.gpu_worker.sampling.sampler import RowSample, logprobs_of, sample, sample_rows
@@ -102,6 +103,7 @@ class ModelRunner:
         elif fused_decode and self.device.type == "cpu" and self.config.dtype == torch.float32 \
                 and native_available() is None:
             self.model.linear = cpu_f32_linear  # 1-16 activation rows through f32_mm, more through oneDNN (quant/packed.py)
+            self.model.glue = RowGlue(self.model.cos_table, self.model.sin_table)  # native RMSNorm/RoPE/SiLU-mul
         self.page_size = page_size
         self._shape, self._attention = shape, attention
         # --draft-model: its own weights, KV (in this pool's pages) and backend (draft_model.py)

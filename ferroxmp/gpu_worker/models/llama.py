@@ -87,6 +87,9 @@ class DecoderLM:
         # decoding rows, set by the runner where it can run (int4/int8 or float32 weights,
         # float32, CPU); None: always eager.
         self.fused_decode = None
+        # `glue` - quant/glue.py's native RMSNorm / RoPE / SiLU-mul for an eager step's rows,
+        # set by the runner for float32 on CPU; None: torch's ops.
+        self.glue = None
 
         def pack(w):  # a quantized weight in its kernel's layout (quant/packed.py)
             return quant_pack(w, cfg.dtype)
@@ -145,6 +148,8 @@ class DecoderLM:
         return tensor_bytes(list({id(t): t for t in held if t is not None}.values()))
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.glue is not None:
+            return self.glue.rms(x, w, self.cfg.rms_norm_eps)
         return w * F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_norm_eps).to(x.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
@@ -155,12 +160,17 @@ class DecoderLM:
         cfg = self.cfg
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_w, kv_w = nh * hd, nkv * hd
-        cos = self.cos_table[positions].to(self.dtype)[:, None, :]
-        sin = self.sin_table[positions].to(self.dtype)[:, None, :]
-        half = hd // 2
+        glue = self.glue
+        if glue is not None:
+            def rope(x: torch.Tensor) -> torch.Tensor:  # in place: q and k are this layer's own qkv output
+                return glue.rope_(x, positions)
+        else:
+            cos = self.cos_table[positions].to(self.dtype)[:, None, :]
+            sin = self.sin_table[positions].to(self.dtype)[:, None, :]
+            half = hd // 2
 
-        def rope(x: torch.Tensor) -> torch.Tensor:
-            return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+            def rope(x: torch.Tensor) -> torch.Tensor:
+                return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
         h = self.embed_ids(input_ids)
         T = h.shape[0]
@@ -176,7 +186,9 @@ class DecoderLM:
             h = h + self.reduce_sum(self.linear(o.reshape(T, q_w), L.w_o, L.b_o))
             x = self._rms(h, L.post_norm)
             gu = self.linear(x, L.w_gate_up)
-            h = h + self.reduce_sum(self.linear(F.silu(gu[:, :cfg.intermediate_size]) * gu[:, cfg.intermediate_size:], L.w_down))
+            a = glue.silu_mul(gu) if glue is not None else \
+                F.silu(gu[:, :cfg.intermediate_size]) * gu[:, cfg.intermediate_size:]
+            h = h + self.reduce_sum(self.linear(a, L.w_down))
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

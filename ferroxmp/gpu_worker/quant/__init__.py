@@ -10,6 +10,7 @@ Modules (one job each):
 - fused_decode.c  up to 16 decoding rows through every layer in one call (includes groups.c
              and int4x16.c).
 - fused_decode.py FusedDecode: when the runner uses it, and its ctypes side.
+- glue.py    RowGlue: fused_decode.c's RMSNorm / RoPE / SiLU-mul loops for an eager step.
 - native.py  builds the three C files (one translation unit) for this CPU at first use.
 - packed.py  PackedF16 (FBGEMM's fp16 GEMM), `pack` (which form a loaded weight takes)
              and `linear`, the dispatch DecoderLM uses.

@@ -264,6 +264,27 @@ void decode_attention(const Model* M, int l, int R, const float* q, float* o, co
   attend(M, l, R, q, (int64_t)M->heads * M->head_dim, o, pos, page_at, pages, scratch, span);
 }
 
+/* The same row-wise loops for the rows of an eager step (a prefill chunk, a mixed step:
+   quant/glue.py), where torch's ops take 3-6 passes over the activations each. */
+void rows_rms(int R, int n, const float* x, int64_t stride, const float* w, float eps, float* out) {
+  #pragma omp parallel for schedule(static) if (R >= 16)
+  for (int r = 0; r < R; r++) rms(x + r * stride, w, out + (int64_t)r * n, n, eps);
+}
+
+/* In place: row r's `heads` heads of d values at x + r * stride + j * d, at position pos[r]. */
+void rows_rope(int R, int heads, int d, float* x, int64_t stride, const float* cos, const float* sin,
+               const int64_t* pos) {
+  #pragma omp parallel for schedule(static) if (R >= 16)
+  for (int r = 0; r < R; r++)
+    for (int j = 0; j < heads; j++) rope(x + r * stride + j * d, cos + pos[r] * d, sin + pos[r] * d, d);
+}
+
+/* a [R][I] = silu(gu[r][0 .. I)) * gu[r][I .. 2I). */
+void rows_silu_mul(int R, int I, const float* gu, float* a) {
+  #pragma omp parallel for schedule(static) if (R >= 4)
+  for (int r = 0; r < R; r++) silu_mul(gu + (int64_t)r * 2 * I, gu + (int64_t)r * 2 * I + I, a + (int64_t)r * I, I);
+}
+
 /* Floats of scratch fused_decode needs (fused_decode.py allocates it). */
 int64_t fused_decode_scratch(const Model* M, int R, int64_t span) {
   Scratch S;
