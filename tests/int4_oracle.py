@@ -4,7 +4,8 @@ dequantized weight times the activations rounded per group of 32 to a grid of 2 
 steps (held as two int8 digits),
 
     y = x' @ dequantize()^T,   x' = s_g * v,  s_g = max|x_g| / 32258,
-    v = round_half_even(x * (32258 / max|x_g|))   (float32 operations, as the kernel).
+    v = round_half_even(x * (32258 / max|x_g|))   (float32 operations, as the kernel;
+    v = 0 where max|x_g| <= 1e-30, whose reciprocal would overflow).
 
 `rounded_product` is that product; the kernel's float32 arithmetic stays within
 `float_bound` of it (a float32 sum of n terms in any order is within n * 2^-24 of the sum
@@ -23,7 +24,8 @@ GRID = 32258.0  # 127 * 254
 def _grid(x: torch.Tensor):
     xg = x.float().reshape(x.shape[0], -1, 32)
     amax = xg.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.full_like(amax, GRID) / amax, 0.0)  # tensor / tensor: rounded once, as C
+    # tensor / tensor: rounded once, as C; a group below 1e-30 counts as zeros (int4x16.c's X16_TINY)
+    inv = torch.where(amax > 1e-30, torch.full_like(amax, GRID) / amax, 0.0)
     return amax / GRID, torch.round(xg * inv)
 
 

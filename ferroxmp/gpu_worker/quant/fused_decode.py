@@ -72,8 +72,10 @@ def _lin(w, bias: Optional[torch.Tensor], keep: list) -> _Lin:
 def _fits(w) -> bool:
     """A weight fused_decode.c multiplies: int4 (packed: Int4x16), int8 groups, or float32
     rows of whole groups of 32 values on CPU (f32_mm's blocks)."""
-    if isinstance(w, (Int4x16, Groups)):
-        return w.format != "int4" or isinstance(w, Int4x16)
+    if isinstance(w, Int4x16):
+        return True
+    if isinstance(w, Groups):
+        return w.format == "int8"  # int4 Groups are multiplied once packed (Int4x16)
     return (isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == "cpu"
             and w.is_contiguous() and w.shape[1] % 32 == 0)
 

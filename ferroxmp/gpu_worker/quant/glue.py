@@ -30,8 +30,8 @@ class RowGlue:
     def rms(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dimension of x (rows may be strided), times w."""
         n = x.shape[-1]
-        x2 = x.reshape(-1, n) if x.stride(-1) == 1 else x.reshape(-1, n).contiguous()
-        if x2.stride(0) < n:  # overlapping rows: not a layout the loop reads
+        x2 = x.reshape(-1, n)  # a view where the rows allow it (h), else a copy (a q/k head view)
+        if x2.stride(1) != 1 or x2.stride(0) < n:
             x2 = x2.contiguous()
         out = torch.empty(x2.shape[0], n)
         self.lib.rows_rms(x2.shape[0], n, ptr(x2), ctypes.c_int64(x2.stride(0)), ptr(w), ctypes.c_float(eps),

@@ -23,14 +23,15 @@
    by ~2% under a 1e-7 change of the input (docs/BENCHMARKS.md 24).
 
    Why: groups.c's float path widened every value to a float lane and spent one FMA per
-   value per activation row; here a value costs half an integer instruction per row
-   (two vpdpbusd of 64 products each; AVX2 or AVX-512 without VNNI: vpmaddubsw + vpmaddwd),
-   and the unpack is two ANDs and a shift per 128 values (docs/BENCHMARKS.md 24). */
+   value per activation row; here a value costs 1/32 of an integer instruction per row
+   (two vpdpbusd of 64 products, one per digit; AVX2 or AVX-512 without VNNI: vpmaddubsw +
+   vpmaddwd), and the unpack is two ANDs and a shift per 128 values (docs/BENCHMARKS.md 24). */
 
 #define X16 16        /* rows per block */
 #define X16_MB 16     /* activation rows per pass over a block's groups (accumulators) */
 #define X16_BYTES 256 /* bytes per block and group */
 #define X16_GRID 32258.0f /* 127 * 254: the activations' grid, max |x| of a group at 32258 */
+#define X16_TINY 1e-30f   /* a group whose max |x| is below this counts as zeros (32258 / max|x| would overflow) */
 
 /* One activation row's groups, each rounded to v = round(x / s), s = max|x| / 32258, and v
    split into two int8 digits v = 254 * hi + lo (hi = round(v / 254), so |lo| <= 127): xq
@@ -43,7 +44,7 @@ static void x16_quantize_row(int K, const float* x, int8_t* xq, float* sc, float
 #ifdef __AVX512F__
     __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
     float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    __m512 inv = _mm512_set1_ps(amax > 0 ? X16_GRID / amax : 0.0f);
+    __m512 inv = _mm512_set1_ps(amax > X16_TINY ? X16_GRID / amax : 0.0f);
     __m512i v[2] = {_mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), _mm512_cvtps_epi32(_mm512_mul_ps(b, inv))};
     for (int h = 0; h < 2; h++) {
       __m512i hi = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_cvtepi32_ps(v[h]), _mm512_set1_ps(254.0f)));
@@ -62,7 +63,7 @@ static void x16_quantize_row(int K, const float* x, int8_t* xq, float* sc, float
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    __m256 inv = _mm256_set1_ps(amax > 0 ? X16_GRID / amax : 0.0f);
+    __m256 inv = _mm256_set1_ps(amax > X16_TINY ? X16_GRID / amax : 0.0f);
     __m256i v[4], hi[4], lo[4], s4 = _mm256_setzero_si256();
     for (int i = 0; i < 4; i++) {
       v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(f[i], inv));
@@ -155,11 +156,11 @@ static inline __attribute__((always_inline)) void x16_half(int G, int h, int mb,
     for (int r = 0; r < mb; r++) {
       const int32_t* x4 = (const int32_t*)(xq + (int64_t)r * G * 64 + g * 64);
       __m256i acc[2];
-      for (int h = 0; h < 2; h++) {  /* hi digits, lo digits */
+      for (int digit = 0; digit < 2; digit++) {  /* hi digits, lo digits */
         __m256i s16 = _mm256_setzero_si256();  /* 8 x 2 products of at most 15 * 127: fits int16 */
         for (int j = 0; j < 8; j++)
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(x4[8 * h + j])));
-        acc[h] = _mm256_madd_epi16(s16, ones);
+          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(x4[8 * digit + j])));
+        acc[digit] = _mm256_madd_epi16(s16, ones);
       }
       const int64_t rg = (int64_t)r * G + g;
       __m256 v = _mm256_cvtepi32_ps(_mm256_add_epi32(acc[1], _mm256_sub_epi32(_mm256_slli_epi32(acc[0], 8),
