@@ -59,3 +59,14 @@ def logit_noise(q_tokens: dict, q_logits: dict, f_tokens: dict, f_logits: dict) 
                 break
     return worst
 
+
+def product_and_bound(g, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What Groups `g` (or its packed form) must give for x, in float64, and how far the
+    kernel's float32 arithmetic may be from it: int4 the specification above; int8
+    (groups.c, float32 activations) F.linear over the dequantized weight, within the
+    gamma_K bound of a float32 dot product in any order (slack 16)."""
+    if g.format == "int4":
+        return rounded_product(g, x), float_bound(g, x)
+    w = g.dequantize().double()
+    return x.double() @ w.T, 16 * g.shape[1] * 2.0 ** -24 * (x.double().abs() @ w.abs().T) + 1e-30
+

@@ -12,9 +12,9 @@ arithmetic, not from what the code happened to print:
   int8) dequantizes to exactly gguf's own dequantization; one requantized holds each value
   within half its group's step d / 2. groups.c (int8) then sums float32 products in
   another order than F.linear over the dequantized weight: the same gamma_K bound as fp16
-  (slack 16). int4x16.c multiplies by the activations rounded to int8 per group of 32:
-  tests/int4_oracle.py computes that product in float64 from the canonical fields, and
-  the kernel must be within float32 rounding of it.
+  (slack 16). int4x16.c multiplies by the activations rounded to a 16-bit grid per group
+  of 32: tests/int4_oracle.py computes that product in float64 from the canonical fields,
+  and the kernel must be within float32 rounding of it.
 A wrong scale, zero point, row order or group layout breaks these by orders of magnitude.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ferroxmp.gpu_worker.quant import Groups, PackedF16, pack, resolve_mode, sho
 from ferroxmp.gpu_worker.quant.policy import AS_STORED, AS_STORED_VALUES, QuantizationRefused
 from ferroxmp.gpu_worker.parallel.group import Shard
 from gguf_writer import write_gguf
-from int4_oracle import float_bound, rounded_product
+from int4_oracle import product_and_bound
 
 pytestmark = pytest.mark.timeout(300)
 CPU = torch.device("cpu")
@@ -102,15 +102,10 @@ def _check_matmul(g: Groups, deq: torch.Tensor, name: str) -> None:
     widened path at 90, above DEQUANT_ROWS; int4: passes of 16 rows and a rest) against
     F.linear over the dequantized weight (int4: over the activations rounded as the kernel
     specifies), within float32 rounding. The model's packed form multiplies the same."""
-    k = deq.shape[1]
     packed = pack(g, torch.float32)
     for rows in (1, 3, 5, 13, 40, 90):
-        x = _x(k, rows)
-        if g.format == "int4":
-            want, bound = rounded_product(g, x), float_bound(g, x)
-        else:
-            want = F.linear(x, deq).double()
-            bound = 16 * k * 2.0 ** -24 * (x.abs() @ deq.abs().T).double() + 1e-30
+        x = _x(deq.shape[1], rows)
+        want, bound = product_and_bound(g, x)
         for form in (g, packed):
             assert ((form(x).double() - want).abs() <= bound).all(), (name, rows)
 
@@ -204,17 +199,13 @@ def test_the_avx2_build_of_the_kernels_computes_what_the_native_one_does(tmp_pat
     code = ("import torch, torch.nn.functional as F\n"
             "from ferroxmp.gpu_worker.quant import Groups\n"
             "from ferroxmp.gpu_worker.quant.packed import cpu_f32_linear\n"
-            "from int4_oracle import float_bound, rounded_product\n"
+            "from int4_oracle import product_and_bound\n"
             "torch.manual_seed(0)\n"
             "for fmt in ('int4', 'int8'):\n"
-            "    g = Groups.quantize(torch.randn(99, 320), fmt); w = g.dequantize()\n"
+            "    g = Groups.quantize(torch.randn(99, 320), fmt)\n"
             "    for rows in (1, 3, 13, 17, 40):\n"
             "        x = torch.randn(rows, 320)\n"
-            "        if fmt == 'int4':\n"
-            "            want, bound = rounded_product(g, x), float_bound(g, x)\n"
-            "        else:\n"
-            "            want = F.linear(x, w).double()\n"
-            "            bound = 16 * 320 * 2.0 ** -24 * (x.abs() @ w.abs().T).double()\n"
+            "        want, bound = product_and_bound(g, x)\n"
             "        assert ((g(x).double() - want).abs() <= bound).all(), (fmt, rows)\n"
             "w, b = torch.randn(99, 320), torch.randn(99)\n"
             "for rows in (1, 3, 13):\n"
