@@ -13,12 +13,13 @@ pre-tokenizer is refused by name, never guessed.
 """
 from __future__ import annotations
 
-from typing import Optional
-
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from typing import TYPE_CHECKING, Optional
 
 from .gguf_config import GGUFUnsupported
 from .gguf_file import GGUFFile
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
@@ -44,6 +45,7 @@ _SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_t
 
 
 def _pipeline(tok: Tokenizer, family: str) -> None:
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     if family == "llama3":
         tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -87,6 +89,9 @@ def eog_token_ids(g: GGUFFile) -> list[int]:
 
 
 def build_tokenizer(g: GGUFFile) -> Tokenizer:
+    # tokenizers imported here, not at the top: the worker reads only the end-of-generation
+    # ids (eog_token_ids) and need not load the library (~5 MB resident, 0.1 s)
+    from tokenizers import AddedToken, Tokenizer, models
     kind, pre = g.get("tokenizer.ggml.model"), g.get("tokenizer.ggml.pre", "default")
     if kind is None or not g.get("tokenizer.ggml.tokens"):
         raise GGUFUnsupported(f"{g.path}: the file carries no tokenizer (tokenizer.ggml.model / tokens); "
@@ -112,6 +117,7 @@ def build_tokenizer(g: GGUFFile) -> Tokenizer:
 
 def _edges(tok: Tokenizer, g: GGUFFile) -> None:
     """BOS before / EOS after each sequence when the file asks for it (add_special_tokens)."""
+    from tokenizers import processors
     ends = {}
     for edge in ("bos", "eos"):
         i = g.get(f"tokenizer.ggml.{edge}_token_id")
