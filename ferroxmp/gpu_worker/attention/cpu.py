@@ -131,10 +131,10 @@ class TorchBackend(AttentionBackend):
         self.write_slots = self._tensor(step.write_slots)
         self.decode, self.chunks, self._fused, self._deferred = None, [], None, None
         b = step.n_decode
-        if b and len(step.rows) == b and self.window is None:
-            # Decode rows only: a fused step (quant/fused_decode.c) reads their pages in the
-            # pool itself, so the eager plan (PageDecode's tensors, or the mirror's
-            # arrangement) is made only if the step runs eagerly (forward).
+        if b and len(step.rows) == b and self.page_decode is not None:
+            # Decode rows only: a fused step (quant/fused_decode.c; it exists only where
+            # PageDecode does) reads their pages in the pool itself, so the eager plan is
+            # made only if the step runs eagerly (forward).
             self._fused = (self.write_slots, self._tensor(step.kv_indptr), self._tensor(step.kv_pages))
             self._deferred = step
             return

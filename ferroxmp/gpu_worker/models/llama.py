@@ -162,8 +162,10 @@ class DecoderLM:
         q_w, kv_w = nh * hd, nkv * hd
         glue = self.glue
         if glue is not None:
+            pos = positions.to(torch.int64).contiguous()
+
             def rope(x: torch.Tensor) -> torch.Tensor:  # in place: q and k are this layer's own qkv output
-                return glue.rope_(x, positions)
+                return glue.rope_(x, pos)
         else:
             cos = self.cos_table[positions].to(self.dtype)[:, None, :]
             sin = self.sin_table[positions].to(self.dtype)[:, None, :]

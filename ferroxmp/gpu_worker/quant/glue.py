@@ -38,12 +38,12 @@ class RowGlue:
                           ptr(out))
         return out.reshape(x.shape)
 
-    def rope_(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rope_(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """RoPE in place on x [T, heads, head_dim] (heads contiguous in a row; rows may be
-        strided: q and k are views of the fused qkv output)."""
+        strided: q and k are views of the fused qkv output). pos: int64 [T], contiguous
+        (converted once per step by the caller, not per layer)."""
         t, heads, d = x.shape
         assert x.stride(2) == 1 and x.stride(1) == d, "rope_ needs each row's heads contiguous"
-        pos = positions.to(torch.int64).contiguous()
         self.lib.rows_rope(t, heads, d, ptr(x), ctypes.c_int64(x.stride(0)), ptr(self.cos), ptr(self.sin), ptr(pos))
         return x
 

@@ -44,11 +44,12 @@ AS_STORED = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}  # GGUF types group
 # GGUF types whose values groups.py reads unchanged but whose per-group scales it rounds
 # to float16 once (Q4_K: d * 6-bit scale, dmin * 6-bit min per sub-block of 32)
 AS_STORED_VALUES = {"Q4_K": "int4"}
+READ_AS_GROUPS = {**AS_STORED, **AS_STORED_VALUES}  # Groups.from_gguf reads their blocks, no dequantize
 
 
 def read_as_groups(type_name: str, fmt: Optional[str]) -> bool:
     """Groups.from_gguf reads this GGUF type's blocks straight into `fmt` (no dequantize)."""
-    return fmt is not None and {**AS_STORED, **AS_STORED_VALUES}.get(type_name) == fmt
+    return fmt is not None and READ_AS_GROUPS.get(type_name) == fmt
 
 
 class QuantizationRefused(ValueError):
@@ -110,8 +111,8 @@ def target_format(name: str, shape: tuple, mode: str, stored: Optional[str] = No
         return None
     if mode == "int8":
         return "int8"
-    if stored in AS_STORED or stored in AS_STORED_VALUES:
-        return {**AS_STORED, **AS_STORED_VALUES}[stored]
+    if stored in READ_AS_GROUPS:
+        return READ_AS_GROUPS[stored]
     if stored is not None and stored not in FLOAT_TYPES:
         return "int8"
     return "int8" if name.endswith(TABLES) else "int4"
