@@ -178,9 +178,9 @@ class ServerArgs:
         if self.deterministic and self.quantization in ("fp16", "int8", "int4"):  # batch invariance unverified
             bad("quantization", f"{self.quantization} is not verified batch-invariant; use --quantization none "
                 "with --deterministic")
-        if self.device == "cuda" and self.quantization in ("fp16", "int8", "int4"):
-            bad("quantization", f"{self.quantization} runs through CPU kernels only; use --quantization "
-                "none on CUDA")
+        if self.device == "cuda" and self.quantization == "fp16":  # FBGEMM's fp16 GEMM is CPU only
+            bad("quantization", "fp16 runs through a CPU kernel only; use --quantization none, int8 or int4 "
+                "on CUDA")
         if self.kv_host_gb < 0 or self.kv_disk_gb <= 0:
             bad("kv_host_gb" if self.kv_host_gb < 0 else "kv_disk_gb", "must be positive")
         if (self.kv_host_gb > 0 or self.kv_cache_dir) and self.tp > 1:  # only rank 0 would save its KV heads
@@ -210,9 +210,9 @@ class ServerArgs:
         if self.kv_host_gb > 0 or self.kv_cache_dir:  # a page loaded back would lack the draft's KV
             bad("draft_model", "does not work with --kv-host-gb / --kv-cache-dir yet: their pages hold only "
                 "the target model's KV")
-        if self.device == "cuda" and self.draft_quantization in ("fp16", "int8", "int4"):
-            bad("draft_quantization", f"{self.draft_quantization} runs through CPU kernels only; use "
-                "--draft-quantization none on CUDA")
+        if self.device == "cuda" and self.draft_quantization == "fp16":
+            bad("draft_quantization", "fp16 runs through a CPU kernel only; use --draft-quantization none, "
+                "int8 or int4 on CUDA")
 
     @property
     def spec_tokens(self) -> int:

@@ -290,13 +290,54 @@ class Supervisor:
         log.info("stopped; nothing left behind")
 
 
-def serve(args: ServerArgs) -> int:
-    setup_logging("supervisor", args.log_level)
+def _checked_model(args: ServerArgs) -> list:
+    """[model path, served name] once the checkpoint is found and checked whole."""
     from ferroxmp.checkpoint.default_model import resolve_model
     from ferroxmp.checkpoint.validate import validate_checkpoint
+    resolve_model(args)  # None -> the default model, 'demo' -> random weights; a GGUF is checked
+    validate_checkpoint(args.model)  # the whole file, before any child starts (a CheckpointError: exit 2)
+    return [args.model, args.served_model_name]
+
+
+def in_child(fn, *fn_args):
+    """fn(*fn_args) in a forked child; its JSON result, or its OSError / ValueError again
+    as a ValueError with the same message. Why: checking a checkpoint imports gguf and
+    tokenizers (the demo model: torch) and reads the whole file; in the supervisor that
+    memory would stay resident for the server's life (~27 MB of a 65 MB process), in a
+    child it goes back to the system when the child exits. Call it before any thread or
+    ZMQ context exists (a fork copies only the calling thread)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: answer through the pipe, never return into the caller
+        code = 1
+        try:
+            os.close(r)
+            try:
+                out = {"result": fn(*fn_args)}
+            except (OSError, ValueError) as e:
+                out = {"error": str(e) or type(e).__name__}
+            with os.fdopen(w, "w") as f:
+                json.dump(out, f)
+            code = 0
+        finally:
+            logging.shutdown()
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        answer = f.read()
+    _, status = os.waitpid(pid, 0)
+    if not answer:
+        raise ValueError(f"the check ended without an answer (wait status {status})")
+    out = json.loads(answer)
+    if "error" in out:
+        raise ValueError(out["error"])
+    return out["result"]
+
+
+def serve(args: ServerArgs) -> int:
+    setup_logging("supervisor", args.log_level)
     try:
-        resolve_model(args)  # None -> the default model, 'demo' -> random weights; a GGUF is checked
-        validate_checkpoint(args.model)  # the whole file, before any child starts (a CheckpointError: exit 2)
+        args.model, args.served_model_name = in_child(_checked_model, args)
     except (OSError, ValueError) as e:
         log.error("cannot serve this model: %s", e)
         return 2

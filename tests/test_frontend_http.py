@@ -548,7 +548,7 @@ def test_server_info_models_and_health(fe, api):
     assert requests.get(fe.url + "/health", timeout=5).json() == {"status": "ok"}
     assert requests.get(fe.url + "/server_info", timeout=5).status_code == 401
     info = api.get(fe.url + "/server_info", timeout=5).json()
-    assert info["processes"] == {"frontend": fe.proc.pid, "scheduler": 11, "workers": [12]}
+    assert info["processes"] == {"supervisor": os.getpid(), "frontend": fe.proc.pid, "scheduler": 11, "workers": [12]}
     assert info["worker_info"]["num_pages"] == 64 and info["args"]["api_key"] == "***"
     models = api.get(fe.url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["llama"]

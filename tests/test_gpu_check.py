@@ -34,7 +34,10 @@ def test_the_gpu_check_script_runs_every_section_on_a_cpu(tmp_path):
     who = {(s["model"], s["who"]) for s in report["speed"]}
     for model in ("smol-135m", "1B-shape"):
         assert {(model, "transformers"), (model, "ferroxmp/torch"), (model, "ferroxmp/triton")} <= who
+        assert {(model, "ferroxmp/triton int4"), (model, "ferroxmp/triton int8")} <= who
     assert report["copy_bandwidth_gbs"] > 0
+    quant = {(q["format"], q["dtype"], q["rows"]) for q in report["quant"] if q["ok"]}
+    assert quant == {(f, d, m) for f in ("int4", "int8") for d in ("float16", "bfloat16") for m in (1, 16, 100)}
     assert "| model | who | what |" in open(tmp_path / "gpu_check.md").read()
     # section 4: the real server started on the device (the CPU here), healthy, answering
     reply = json.load(open(tmp_path / "server_reply.json"))

@@ -290,13 +290,21 @@ def _assert_same(t, want, what) -> None:
 
 def test_compressed_modes_are_refused_by_name_where_they_cannot_run(tiny_models, gguf_of):
     """--deterministic promises batch-invariant bits and CUDA has no FBGEMM: an explicit
-    fp16/int8 there is refused naming the flag; auto quietly stays float; a Hugging Face
-    folder and a float GGUF stay float under auto."""
+    fp16/int8/int4 there is refused naming the flag (on CUDA only fp16, and int4/int8 only
+    without Triton, and any of them on another GPU type); auto quietly stays float; a
+    Hugging Face folder and a float GGUF stay float under auto."""
     for mode in ("fp16", "int8", "int4"):
         with pytest.raises(ValueError, match="--quantization"):
             ServerArgs(quantization=mode, deterministic=True).validate()
-        with pytest.raises(QuantizationRefused, match="CPU kernels only"):
-            resolve_mode(mode, gguf_of(Q.Q8_0), torch.device("cuda"))
+        with pytest.raises(QuantizationRefused, match="no kernel on mps"):
+            resolve_mode(mode, gguf_of(Q.Q8_0), torch.device("mps"))
+    with pytest.raises(QuantizationRefused, match="no kernel on cuda"):
+        resolve_mode("fp16", gguf_of(Q.Q8_0), torch.device("cuda"))
+    with pytest.raises(ValueError, match="--quantization"):
+        ServerArgs(quantization="fp16", device="cuda").validate()
+    for mode in ("int8", "int4"):  # the Triton kernels (tests/test_triton_groups.py)
+        ServerArgs(quantization=mode, device="cuda").validate()
+        assert resolve_mode(mode, gguf_of(Q.Q8_0), torch.device("cuda")) == mode
     from ferroxmp.gpu_worker.quant.native import available
     assert resolve_mode("auto", gguf_of(Q.Q8_0), CPU) == ("int4" if available() is None else "fp16")
     assert resolve_mode("auto", gguf_of(Q.Q8_0), CPU, deterministic=True) == "none"

@@ -206,3 +206,29 @@ def test_streams_cut_at_the_end_of_the_shutdown_grace_get_an_error_event(tiny_mo
         assert srv.leftovers() == [], srv.log()
     finally:
         srv.stop()
+
+
+def _answer(x):
+    return [x, x * 2]
+
+
+def _refuse(path):
+    raise FileNotFoundError(f"{path}: no such checkpoint")
+
+
+def _die():
+    os._exit(7)
+
+
+def test_in_child_returns_the_answer_relays_a_refusal_and_survives_a_dead_child():
+    """The checkpoint check runs in a forked child (its memory leaves with it): its
+    answer, its refusal (by message) and a child that dies without answering each come
+    back to the supervisor, which is unchanged (no child left, same process)."""
+    from ferroxmp.supervisor import in_child
+    assert in_child(_answer, 21) == [21, 42]
+    with pytest.raises(ValueError, match="/x.gguf: no such checkpoint"):
+        in_child(_refuse, "/x.gguf")
+    with pytest.raises(ValueError, match="without an answer"):
+        in_child(_die)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(-1, os.WNOHANG)  # every child was reaped

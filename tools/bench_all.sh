@@ -224,11 +224,11 @@ section_quant() {  # issue 30: one server at a time on the same GGUF, per --quan
         # a small KV pool (0.25 GiB), so the resident size shows the weights
         MODEL=$gguf start_ferroxmp "quant_$mode" "$A_PORT" "${flags[@]}" --kv-cache-gb 0.25
         pids=$(curl -s "http://127.0.0.1:$A_PORT/server_info" | "$PY" -c \
-            "import json,sys; p=json.load(sys.stdin)['processes']; print(*[p['frontend'], p['scheduler'], *p['workers']])")
+            "import json,sys; p=json.load(sys.stdin)['processes']; print(*[p['supervisor'], p['frontend'], p['scheduler'], *p['workers']])")
         measure "quant_${mode}_1" "${W[@]}" --num-prompts 8 --max-concurrency 1 --out "$OUT/quant_${mode}_1.json"
         measure "quant_${mode}_16" "${W[@]}" --num-prompts 32 --max-concurrency 16 --out "$OUT/quant_${mode}_16.json"
         local after idle
-        after="resident $(rss_mb $pids) MiB (frontend+scheduler+worker; PSS $(pss_mb $pids)); worker $(rss_mb "${pids##* }") MiB"
+        after="resident $(rss_mb $pids) MiB (supervisor+frontend+scheduler+worker; PSS $(pss_mb $pids)); worker $(rss_mb "${pids##* }") MiB"
         sleep 2  # the worker gives back what it keeps only for speed after 0.5 s without work
         idle="2 s later (idle): $(rss_mb $pids) MiB (PSS $(pss_mb $pids)); worker $(rss_mb "${pids##* }") MiB"
         echo "quant $mode: $after; $idle;" \

@@ -14,10 +14,12 @@
 #    prefill (CUDA graphs on, and for Triton also off), on the smol-135m shape and a 1B-shaped (Llama-3.2-1B dims) random checkpoint,
 #    bf16, next to transformers' own forward (sdpa, DynamicCache) in the same run; the
 #    achieved memory bandwidth of each decode step (weights + KV read) against the device's
-#    measured copy bandwidth.
+#    measured copy bandwidth; the same runner with --quantization int4 / int8.
 # 4. server: `ferroxmp serve` on the device (smol-135m shape): healthy, a chat completion
 #    answered, and on CUDA the KV pool sized from --mem-fraction *after* loading (the
 #    worker's log line "measured after loading"); the log is kept in DIR/server.log.
+# 5. quant: int4 / int8 weights through quant/triton_groups.py on the device against the
+#    float64 reference (float16 / bfloat16 activations; 1, 16 and 100 rows).
 # Writes DIR/gpu_check.json and DIR/gpu_check.md (the table for docs/BENCHMARKS.md).
 # Exit status: non-zero if a kernel, oracle or server check failed.
 #
@@ -156,12 +158,12 @@ for name in BACKENDS:
 class Runner:
     """A ModelRunner on a private pool; row r owns pages interleaved with the others'."""
 
-    def __init__(self, path, rows, max_len, attention, page_size=16, cuda_graph=True):
+    def __init__(self, path, rows, max_len, attention, page_size=16, cuda_graph=True, quantization="none"):
         from ferroxmp.gpu_worker.runner import ModelRunner
         per_row = -(-max_len // page_size)
         self.pool = PagePool.create(num_pages=per_row * rows, max_rows=rows, max_pages_per_row=per_row)
         self.r = ModelRunner(path, self.pool, page_size, device=DEV.type, attention=attention,
-                             cuda_graph=cuda_graph)
+                             cuda_graph=cuda_graph, quantization=quantization)
         for row in range(rows):
             self.pool.set_row(row, [j * rows + row for j in range(per_row)], 0)
         self.bid = 0
@@ -307,13 +309,17 @@ models = {"smol-135m": smol, "1B-shape": make_1b(os.path.join(tmp, "1b"), smol)}
 for label, path in models.items():
     from ferroxmp.gpu_worker.loader import load_config, weight_bytes
     cfg = load_config(path)
-    wbytes = weight_bytes(path, cfg.dtype)
     kv_tok = cfg.kv_bytes_per_token(cfg.dtype)
-    # Every backend as served (CUDA graphs on where the backend has them), and the Triton
-    # backend once more without graphs: what the graphs buy.
-    for backend, graphs in [(b, True) for b in BACKENDS] + ([("triton", False)] if "triton" in BACKENDS and not DRY else []):
-        rb = Runner(path, max(batches), max(ctx + n_steps + 8, prefill + 8), backend, cuda_graph=graphs)
-        who = f"ferroxmp/{backend}" + ("" if graphs or DRY else " no-graph")
+    # Every backend as served (CUDA graphs on where the backend has them), the Triton
+    # backend once more without graphs (what the graphs buy), and the Triton backend with
+    # int4 and int8 weights (section 5's kernels; dry: the CPU kernels).
+    variants = [(b, True, "none") for b in BACKENDS] + [("triton", True, q) for q in ("int4", "int8")]
+    variants += [("triton", False, "none")] if "triton" in BACKENDS and not DRY else []
+    for backend, graphs, quant in variants:
+        wbytes = weight_bytes(path, cfg.dtype, quant)
+        rb = Runner(path, max(batches), max(ctx + n_steps + 8, prefill + 8), backend, cuda_graph=graphs,
+                    quantization=quant)
+        who = f"ferroxmp/{backend}" + ("" if graphs or DRY else " no-graph") + ("" if quant == "none" else " " + quant)
         if graphs and not DRY:
             who += " graph" if rb.r.graphs is not None else ""
         try:
@@ -355,11 +361,33 @@ for label, path in models.items():
             def hf_step():
                 state["next"] = hf(state["next"], past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
             t = median_time(hf_step, n_steps)
-            bw = (wbytes + b * ctx * kv_tok) / t
+            bw = (weight_bytes(path, cfg.dtype) + b * ctx * kv_tok) / t
             report["speed"].append({"model": label, "who": "transformers", "what": f"decode b{b} ctx{ctx}",
                                     "ms": 1000 * t, "gbs": bw / 1e9, "of_copy_bw": bw / peak})
             print(f"speed {label} transformers decode b{b}: {1000 * t:.2f} ms", flush=True)
     del hf
+
+# ---- 5. int4 / int8 weights: quant/triton_groups.py against the float64 reference -----
+from ferroxmp.gpu_worker.quant.groups import Groups  # noqa: E402
+from ferroxmp.gpu_worker.quant.triton_groups import groups_linear  # noqa: E402
+report["quant"] = []
+QTOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}  # of the output's largest value: the weight rounded to dtype
+for fmt in ("int4", "int8"):
+    for dtype in QTOL:
+        for m in (1, 16, 100):  # 1-64 rows: the tiled kernel; 100: widened whole, then cuBLAS
+            g = torch.Generator().manual_seed(m)
+            rows, cols = (72, 96) if DRY else (4096, 2048)
+            w = Groups.quantize(torch.randn(rows, cols, generator=g), fmt)
+            x = torch.randn(m, cols, generator=g).to(dtype)
+            ref = x.double() @ w.dequantize(torch.float64).T
+            y = groups_linear(x.to(DEV), w.to(DEV)).cpu().double()
+            err = ((y - ref).abs().max() / ref.abs().max()).item()
+            ok = err < QTOL[dtype]
+            report["quant"].append({"format": fmt, "dtype": str(dtype).removeprefix("torch."), "rows": m,
+                                    "rel_err": err, "tol": QTOL[dtype], "ok": ok})
+            print(f"quant {fmt} {dtype} {m} rows: rel err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+            if not ok:
+                failed.append(f"quant {fmt} {dtype} {m} rows")
 
 json.dump(report, open(os.path.join(OUT, "gpu_check.json"), "w"), indent=2)
 with open(os.path.join(OUT, "gpu_check.md"), "w") as f:

@@ -278,7 +278,8 @@ def create_app(state: FrontendState) -> Flask:
         return _json_response({
             "model": state.model_name, "args": args, "worker_info": state.worker_info,
             "in_flight": state.in_flight, "draining": state.draining,
-            "processes": {"frontend": os.getpid(), "scheduler": state.pids.get("scheduler"),
+            "processes": {"supervisor": state.pids.get("supervisor"), "frontend": os.getpid(),
+                          "scheduler": state.pids.get("scheduler"),
                           "workers": list(state.pids.get("workers") or [])}})
 
     @app.post("/cache/flush")

@@ -343,13 +343,13 @@ def _load_gguf_weights(model_path: str, device: torch.device, dtype: torch.dtype
                     blocks = Groups.from_gguf(g.raw(n), info.type_name)
                     order = row_order(g, n, heads, kv_heads)
                     blocks = blocks if order is None else blocks[torch.from_numpy(order)]
-                    out[name] = blocks[index] if index else blocks
+                    out[name] = (blocks[index] if index else blocks).to(device)
                 continue
             w = weight(g, n, heads, kv_heads)
             if fmt in ("int4", "int8"):
                 t = _compress_then_select(name, torch.from_numpy(w), fmt, select)
                 if t is not None:
-                    out[name] = t
+                    out[name] = t.to(device)
                 continue
             index = () if select is None else select(name, tuple(w.shape))
             if index is not None:

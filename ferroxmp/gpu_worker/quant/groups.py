@@ -13,7 +13,8 @@ the float tensor it replaces (rows; columns at group boundaries: tensor-parallel
 concatenated (fused qkv, gate/up), padded with zero rows (the last vocabulary shard), read
 row by row (the embedding) and called like F.linear (int8: no packed copy, so a head
 tied to the embedding is the same object; int4 through an Int4x16 made for the call:
-packed.pack makes the one the model keeps).
+packed.pack makes the one the model keeps). On a CUDA device it is called as it is,
+through triton_groups.py's kernels (both formats, this layout).
 
 Invariants: cols % 32 == 0; q, d, m have the same rows; `dequantize()` is computed by
 torch from the fields (not by the kernel), so it is an independent reference for it.
@@ -164,19 +165,27 @@ class Groups:
         return Groups(z(self.q), z(self.d), z(self.m))
 
     def to(self, device: torch.device) -> "Groups":
-        if torch.device(device).type != "cpu":
-            raise RuntimeError("int4/int8 weights run through CPU kernels only")
-        return self
+        """On `device` (CPU: groups.c / int4x16.c; CUDA: triton_groups.py)."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Groups(move(self.q), move(self.d), move(self.m))
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.q.device.type == "cpu"
 
     # --- multiplying by it ----------------------------------------------------------------
     def packed(self):
-        """The form the model keeps: int8 as it is, int4 repacked for int4x16.c."""
-        if self.m is None:
+        """The form the model keeps: int8 as it is, int4 repacked for int4x16.c on CPU (on
+        a GPU the Triton kernels read this layout itself)."""
+        if self.m is None or not self.on_cpu:
             return self
         from ferroxmp.gpu_worker.quant.int4x16 import Int4x16
         return Int4x16.from_groups(self)
 
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not self.on_cpu:
+            from ferroxmp.gpu_worker.quant.triton_groups import groups_linear
+            return groups_linear(x, self, bias)
         if self.m is not None:
             return self.packed()(x, bias)
         rows, cols = self.shape

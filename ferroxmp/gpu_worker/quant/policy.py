@@ -4,7 +4,8 @@ Modes (--quantization):
 - auto: a GGUF file stored block-quantized (Q4_1, Q6_K...) is kept as int4 on CPU (the
   fastest and smallest here: docs/BENCHMARKS.md 21; fp16 where the int4 kernels cannot
   be built); a float GGUF or a Hugging Face folder stays as
-  --dtype says; on CUDA, or under --deterministic, everything is float.
+  --dtype says; on CUDA (until its kernels have been timed on a GPU), or under
+  --deterministic, everything is float.
 - none: float, a GGUF dequantized at load (the reference path).
 - fp16: weights in float16 through FBGEMM's fp16 GEMM, activations float32.
 - int4: weights in groups of 32 (groups.py; int4 multiplied by int4x16.c, activations on
@@ -15,9 +16,10 @@ Modes (--quantization):
   int8, the nearest format with a kernel that holds their values to within 1/254 of a
   group's range.
 - int8: every compressed tensor int8 in groups of 32 (a GGUF's Q8_0 as stored).
-A tensor whose rows are not a multiple of 32 wide stays float. fp16/int4/int8 are refused
-by name on CUDA and with --deterministic, int4/int8 also where their kernels cannot be
-built (native.py).
+A tensor whose rows are not a multiple of 32 wide stays float. On CUDA int4/int8 run
+through triton_groups.py (same layout, activations in the model's dtype); fp16 is CPU
+only. All three are refused by name with --deterministic, and int4/int8 where their
+kernels cannot be built (native.py on CPU, no Triton on CUDA).
 
 Compressed tensors: every attention and MLP projection, the LM head and the embedding
 table. fp16 packs a tied head as its own FBGEMM copy (2 x the table); int4/int8 multiply
@@ -61,14 +63,20 @@ def resolve_mode(requested: str, model_path: str, device: torch.device, determin
     if requested not in MODES:
         raise QuantizationRefused(f"--quantization {requested!r} is not one of {', '.join(MODES)}")
     if requested in ("fp16", "int8", "int4"):
-        if device.type != "cpu":
-            raise QuantizationRefused(f"--quantization {requested} runs through CPU kernels only; "
-                                      f"on {device.type} use --quantization none")
+        if device.type != "cpu" and (requested == "fp16" or device.type != "cuda"):
+            raise QuantizationRefused(f"--quantization {requested} has no kernel on {device.type}; "
+                                      f"use --quantization none" + (" (or int4 / int8)" if device.type == "cuda" else ""))
         if deterministic:
             raise QuantizationRefused(f"--quantization {requested} with --deterministic: its kernels are not "
                                       "batch-invariant (a prefill chunk takes another path than a decode row); "
                                       "use --quantization none")
-        if requested != "fp16":
+        if device.type == "cuda":
+            try:
+                import triton  # noqa: F401  (triton_groups.py's kernels)
+            except ImportError:
+                raise QuantizationRefused(f"--quantization {requested} on CUDA needs Triton "
+                                          "(pip install triton)") from None
+        elif requested != "fp16":
             from ferroxmp.gpu_worker.quant.native import available
             why = available()
             if why is not None:
