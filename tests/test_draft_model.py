@@ -168,7 +168,7 @@ def test_self_speculation_with_an_int4_draft_of_the_target(tiny_model):
     (dict(tp=2), "--tp > 1"),
     (dict(kv_host_gb=1.0), "--kv-host-gb"),
     (dict(kv_cache_dir="/tmp/x"), "--kv-cache-dir"),
-    (dict(device="cuda", draft_quantization="int4"), "--draft-quantization"),
+    (dict(device="cuda", draft_quantization="fp16"), "--draft-quantization"),
 ])
 def test_flags_that_do_not_go_with_a_draft_model_are_refused(tiny_model, flags, needle):
     with pytest.raises(ValueError, match="^--draft-(model|quantization): ") as e:

@@ -1,4 +1,5 @@
-"""The fused decode step (quant/fused_decode.c): up to 16 decoding rows through every
+"""The fused step (quant/fused_decode.c): up to 16 tokens (decoding rows, a short prompt's
+prefill, a speculative verify: each token a row at its own position) through every
 layer in one native call, against the eager torch path on the same weights.
 
 Oracle: the same runner with --disable-fused-decode (the eager path, which test_quant
@@ -22,6 +23,9 @@ from ferroxmp.gpu_worker.quant.packed import linear, cpu_f32_linear
 from ferroxmp.protocol import RowStep, SamplingParams, unpack_ids
 
 GREEDY = SamplingParams(temperature=0.0)
+# Rows of each fused call in _drive: every step of at most 16 tokens, i.e. the prefills of
+# p0 (11 tokens) and p2 (5) as well as the decode steps; the mixed step (34 tokens) eager.
+FUSED_CALLS = [11] + [1] * 7 + [2] * 3 + [5] + [3] * 3
 
 
 def _drive(h) -> tuple[list[int], list[torch.Tensor], list[int]]:
@@ -74,7 +78,7 @@ def test_decoding_rows_in_one_call_give_the_eager_steps_tokens_and_logits(tiny_m
         assert fused.runner.model.linear is cpu_f32_linear and eager.runner.model.linear is linear
     got, got_logits, calls = _drive(fused)
     want, want_logits, _ = _drive(eager)
-    assert calls == [1] * 7 + [2] * 3 + [3] * 3, f"the decode-only steps did not all take the fused path: {calls}"
+    assert calls == FUSED_CALLS, f"the steps of <= 16 tokens did not all take the fused path: {calls}"
     for g, w in zip(got_logits, want_logits):
         assert (g - w).abs().max() <= 1e-4 * w.abs().max(), (g - w).abs().max()
     assert got == want
@@ -91,7 +95,7 @@ def test_rows_whose_pages_are_scattered_over_the_pool_read_their_own(tiny_models
         for r in range(3):
             h.pool.set_row(r, [j * 3 + r for j in range(64)], 0)
         got[fused] = _drive(h)
-    assert got[True][2] == [1] * 7 + [2] * 3 + [3] * 3
+    assert got[True][2] == FUSED_CALLS
     assert got[True][0] == got[False][0]
     for g, w in zip(got[True][1], got[False][1]):
         assert (g - w).abs().max() <= 1e-4 * w.abs().max(), (g - w).abs().max()
@@ -107,7 +111,7 @@ def test_past_fused_rows_a_decode_step_runs_eagerly_with_the_same_tokens(tiny_mo
                          fused_decode=False)
     got, _, calls = _drive(fused)
     want, _, _ = _drive(eager)
-    assert calls == [1] * 7 + [2] * 3, calls  # the three-row steps went eager
+    assert calls == [1] * 7 + [2] * 3, calls  # the prefills and the three-row steps went eager
     assert got == want
 
 
@@ -203,14 +207,14 @@ def test_the_avx2_build_gives_the_eager_steps_tokens_too(tiny_models, tmp_path):
     tests = os.path.dirname(os.path.abspath(__file__))
     code = (f"import sys; sys.path.insert(0, {tests!r})\n"
             "from conftest import RunnerHarness\n"
-            "from test_fused_decode import _drive\n"
+            "from test_fused_decode import FUSED_CALLS, _drive\n"
             "bad = []\n"
             "for mode in ('int4', 'none'):\n"
             "    kw = dict(page_size=4, max_rows=3, pages_per_row=64, quantization=mode)\n"
             f"    f = RunnerHarness({tiny_models['qwen3']!r}, **kw)\n"
             f"    e = RunnerHarness({tiny_models['qwen3']!r}, fused_decode=False, **kw)\n"
             "    (g, gl, calls), (w, wl, _) = _drive(f), _drive(e)\n"
-            "    if not (calls == [1] * 7 + [2] * 3 + [3] * 3 and g == w and all(\n"
+            "    if not (calls == FUSED_CALLS and g == w and all(\n"
             "            bool((a - b).abs().max() <= 1e-4 * b.abs().max()) for a, b in zip(gl, wl))):\n"
             "        bad.append(f'{mode}: {calls} calls, {g} vs {w}')\n"
             "    f.close(); e.close()\n"

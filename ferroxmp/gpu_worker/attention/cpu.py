@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from ferroxmp.gpu_worker.attention.base import AttentionBackend, StepPlan
 from ferroxmp.gpu_worker.attention.decode_mirror import DecodeMirror
 from ferroxmp.gpu_worker.attention.page_decode import PageDecode
+from ferroxmp.gpu_worker.quant.fused_decode import FUSED_ROWS
 
 
 @dataclass
@@ -130,12 +131,16 @@ class TorchBackend(AttentionBackend):
     def prepare(self, step: StepPlan) -> None:
         self.write_slots = self._tensor(step.write_slots)
         self.decode, self.chunks, self._fused, self._deferred = None, [], None, None
-        b = step.n_decode
-        if b and len(step.rows) == b and self.page_decode is not None:
-            # Decode rows only: a fused step (quant/fused_decode.c; it exists only where
-            # PageDecode does) reads their pages in the pool itself, so the eager plan is
-            # made only if the step runs eagerly (forward).
-            self._fused = (self.write_slots, self._tensor(step.kv_indptr), self._tensor(step.kv_pages))
+        if self.page_decode is not None and step.num_tokens <= FUSED_ROWS:
+            # Few tokens (decode rows, a speculative verify, a short prompt): a fused step
+            # (quant/fused_decode.c; it exists only where PageDecode does) reads their
+            # pages in the pool itself, so the eager plan is made only if the step runs
+            # eagerly (forward). Each token is one of its rows, at its own position over
+            # its row's pages: the step writes every token's K/V before any attends, so a
+            # chunk's tokens see each other causally, as in the eager path.
+            row_of = np.repeat(np.arange(len(step.rows)), step.lengths)
+            page_at = np.append(step.kv_indptr[row_of], step.kv_indptr[-1])
+            self._fused = (self.write_slots, self._tensor(page_at), self._tensor(step.kv_pages))
             self._deferred = step
             return
         self._prepare(step)

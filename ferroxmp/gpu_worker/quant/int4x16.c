@@ -91,9 +91,13 @@ static void x16_quantize_row(int K, const float* x, int8_t* xq, float* sc, float
 /* q . digits for 16 rows: w [8] a group's pairs' nibble planes, x4 [8] its 32 digits as 4-byte words. */
 static inline __m512i x16_dot(const __m512i w[8], const int32_t* x4) {
 #ifdef __AVX512VNNI__
-  __m512i acc = _mm512_setzero_si512();
-  for (int j = 0; j < 8; j++) acc = _mm512_dpbusd_epi32(acc, w[j], _mm512_set1_epi32(x4[j]));
-  return acc;
+  /* two chains of 4: one chain of 8 dependent vpdpbusd waits on its latency at few rows */
+  __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+  for (int j = 0; j < 8; j += 2) {
+    a0 = _mm512_dpbusd_epi32(a0, w[j], _mm512_set1_epi32(x4[j]));
+    a1 = _mm512_dpbusd_epi32(a1, w[j + 1], _mm512_set1_epi32(x4[j + 1]));
+  }
+  return _mm512_add_epi32(a0, a1);
 #else
   /* 8 x 2 products of at most 15 * 127 each: 30,480 fits int16 (no saturation) */
   __m512i s16 = _mm512_setzero_si512();
