@@ -206,3 +206,46 @@ def test_the_mirror_and_the_gather_give_the_same_bits():
         outs = [_step(be, kv, table, [(r, 4 * r + i + 2, 1) for r in range(5)], g)[0] for i in range(3)]
         results.append(torch.stack(outs))
     assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 8), (9, 3, 64), (8, 1, 48), (4, 4, 128), (16, 2, 32)])
+def test_tokens_sharing_their_pages_each_attend_up_to_their_own_position(kv_dtype, heads, kv_heads, dim):
+    """PageDecode over rows that share one page list (a chunk's tokens in a fused step: a
+    speculative verify, a short prompt), each at its own position, beside single rows:
+    every query must see exactly keys 0..its position (causal within the chunk). Cases:
+    the scores with queries in lanes (>= 6 queries), a chunk of more queries than one work
+    item takes (20 tokens x 8 heads), head sizes whose V sums stay in registers (32, 64,
+    128) or not (8, 48), GQA 1-8, a float16 pool."""
+    from ferroxmp.gpu_worker.attention.page_decode import PageDecode
+    g = torch.Generator().manual_seed(heads * dim)
+    ps, num_pages = 4, 64
+    kv = KVPool(num_pages, ps, 1, kv_heads, dim, kv_dtype, CPU, "hnd")
+    kv.slots_view(0, "k").copy_(torch.randn(num_pages * ps, kv_heads, dim, generator=g))
+    kv.slots_view(0, "v").copy_(torch.randn(num_pages * ps, kv_heads, dim, generator=g))
+    pd = PageDecode.build(kv, None, torch.float32)
+    if pd is None:
+        pytest.skip("no native kernels here")
+    perm = torch.randperm(num_pages, generator=g)
+    # (pages of the row, positions of its tokens in this step): a chunk of 20, one of 5, a row alone
+    seqs = [(perm[:10], list(range(14, 34))), (perm[10:20], list(range(3, 8))), (perm[20:30], [25])]
+    positions, page_at, pages = [], [], []
+    for row_pages, pos in seqs:
+        page_at += [len(pages)] * len(pos)
+        positions += pos
+        pages += row_pages.tolist()
+    page_at.append(len(pages))
+    q = torch.randn(len(positions), heads, dim, generator=g)
+    out = pd(0, q, torch.tensor(positions), torch.tensor(page_at), torch.tensor(pages), max(positions) + 1)
+    ks, vs = kv.slots_view(0, "k").double(), kv.slots_view(0, "v").double()
+    i = 0
+    for row_pages, pos in seqs:
+        slots = (row_pages[:, None] * ps + torch.arange(ps)).reshape(-1)
+        for p in pos:
+            k, v = ks[slots[:p + 1]], vs[slots[:p + 1]]  # [p + 1, kv_heads, dim]
+            for h in range(heads):
+                j = h // (heads // kv_heads)
+                w = torch.softmax(k[:, j] @ q[i, h].double() / dim ** 0.5, 0)
+                want = w @ v[:, j]
+                assert torch.allclose(out[i, h].double(), want, atol=1e-5), (p, h, (out[i, h] - want).abs().max())
+            i += 1

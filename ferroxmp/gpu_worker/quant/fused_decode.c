@@ -1,6 +1,7 @@
-/* Decode rows (one token each, up to 16) through every layer in one call: the decode
-   step of a model whose linear weights are groups of 32 (int4/int8, groups.c) or float32,
-   float32 activations.
+/* A step of up to 16 tokens (decode rows, a speculative verify's or a short prompt's
+   chunk: each token one row at its own position) through every layer in one call, for a
+   model whose linear weights are groups of 32 (int4/int8, groups.c) or float32, float32
+   activations.
 
    Why: the eager step is ~600 small torch ops between the matmuls, each a few
    microseconds of dispatch, whatever the batch: on SmolLM2 int4 at batch 1 they cost about
@@ -26,6 +27,7 @@
    mirror is not touched: it serves the eager steps only, which refill it from the pool.
 */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #include "groups.c"
 #include "int4x16.c"
@@ -218,40 +220,190 @@ static int64_t carve(const Model* M, int R, int64_t span, float* base, Scratch* 
   return at;
 }
 
-/* Attention of R decoding rows at layer l: row r's H query heads (q + r * q_stride, H x D)
-   over its KV head's positions 0..pos[r], read from the row's pages in the pool (a page
-   of one head: page_size contiguous positions); o [R][H][D]; p [R][H][span] scratch for
-   the scores. (Row, head) pairs in parallel once the contexts make it worth a fork. */
-static void attend(const Model* M, int l, int R, const float* q, int64_t q_stride, float* o,
-                   const int64_t* pos, const int64_t* page_at, const int64_t* pages, float* p, int64_t span) {
-  const int H = M->heads, D = M->head_dim, G = H / M->kv_heads, ps = M->page_size;
-  const float scale = 1.0f / sqrtf((float)D);
-  const int64_t pl = (int64_t)l * M->kv_heads * M->pool_slots * D;
-  #pragma omp parallel for collapse(2) schedule(static) if (R * span >= 32)
-  for (int r = 0; r < R; r++)
-    for (int j = 0; j < H; j++) {
-      const int n = (int)pos[r] + 1;
-      const int64_t* pg = pages + page_at[r];
-      const int64_t head = pl + (int64_t)(j / G) * M->pool_slots * D;  /* this layer's KV head */
-      const float* qj = q + (int64_t)r * q_stride + j * D;
-      float* pj = p + ((int64_t)r * H + j) * span;
-      float mx = -INFINITY;
-      for (int t0 = 0; t0 < n; t0 += ps) {  /* page by page (a division per key costs) */
-        const int64_t at = head + pg[t0 / ps] * ps * D;
-        for (int t = t0; t < n && t < t0 + ps; t++) {
-          pj[t] = dot_kv(M, qj, M->pool_k, at + (int64_t)(t - t0) * D, D) * scale;
-          if (pj[t] > mx) mx = pj[t];
+/* Attention. A work item is a set of queries that read the same keys: one row's query
+   head (a row alone in its pages), or up to ATT_MAXQ queries of rows sharing their pages
+   (the tokens of one chunk: a speculative verify, a short prompt; each at its own
+   position) times the query heads of one KV head. Its K and V rows are widened once per
+   key for all its queries, and the weighted sum of V runs in registers (ATT_ACC
+   accumulators): per key and query, a few FMAs instead of a reload and a store of the
+   output (whose store-to-load chain set the pace before) and a horizontal sum. Scores
+   go to p [R][H][span] (exp'd in place), as before. */
+#define ATT_MAXQ 48
+#define ATT_LANES_MIN 6  /* from this many queries, scores with queries in lanes (no horizontal sums) */
+#ifdef __AVX512F__
+#define ATT_ACC 16
+#else
+#define ATT_ACC 8
+#endif
+
+/* Key or value t of a KV head (D values at element `at`) as float32: the pool's own row
+   (float32), or widened into tmp (float16). */
+static inline const float* kv_row(const Model* M, const void* pool, int64_t at, int D, float* tmp) {
+  if (!M->kv_f16) return (const float*)pool + at;
+  const uint16_t* h = (const uint16_t*)pool + at;
+  int i = 0;
+  for (; i + LANES <= D; i += LANES) VSTORE(tmp + i, VLOADH(h + i));
+  for (; i < D; i++) tmp[i] = _cvtsh_ss(h[i]);
+  return tmp;
+}
+
+typedef struct { int nq; float* p[ATT_MAXQ]; const float* q[ATT_MAXQ]; float* o[ATT_MAXQ]; int n[ATT_MAXQ]; } Queries;
+
+/* o_i = sum_t p_i[t] V[t] / inv_i for queries i0 .. i0 + GQ of Q (fewer at the end), HV
+   vectors a head: both constants at each call, so acc stays in registers. */
+static inline __attribute__((always_inline)) void att_pv(int HV, int GQ, const Model* M, const Queries* Q, int i0,
+    const float* inv, int64_t head, const int64_t* pg) {
+  const int D = M->head_dim, ps = M->page_size, g_n = Q->nq - i0 < GQ ? Q->nq - i0 : GQ;
+  VEC acc[ATT_ACC];
+  for (int i = 0; i < GQ * HV; i++) acc[i] = VZERO;
+  int nmax = 0;
+  for (int g = 0; g < g_n; g++) nmax = Q->n[i0 + g] > nmax ? Q->n[i0 + g] : nmax;
+  for (int t0 = 0; t0 < nmax; t0 += ps) {
+    const int64_t at = head + pg[t0 / ps] * ps * D;
+    for (int t = t0; t < nmax && t < t0 + ps; t++) {
+      const int64_t vat = at + (int64_t)(t - t0) * D;
+      VEC vv[8];
+      if (M->kv_f16)
+        for (int k = 0; k < HV; k++) vv[k] = VLOADH((const uint16_t*)M->pool_v + vat + k * LANES);
+      else
+        for (int k = 0; k < HV; k++) vv[k] = VLOAD((const float*)M->pool_v + vat + k * LANES);
+      for (int g = 0; g < GQ; g++)
+        if (g < g_n && t < Q->n[i0 + g]) {
+          const VEC w = VSET1(Q->p[i0 + g][t]);
+          for (int k = 0; k < HV; k++) acc[g * HV + k] = VFMA(w, vv[k], acc[g * HV + k]);
         }
-      }
-      float sum = exp_sum(pj, n, mx);
-      float* oj = o + ((int64_t)r * H + j) * D;
-      for (int i = 0; i < D; i++) oj[i] = 0;
-      for (int t0 = 0; t0 < n; t0 += ps) {
-        const int64_t at = head + pg[t0 / ps] * ps * D;
-        for (int t = t0; t < n && t < t0 + ps; t++)
-          axpy_kv(M, oj, pj[t] / sum, M->pool_v, at + (int64_t)(t - t0) * D, D);
+    }
+  }
+  for (int g = 0; g < g_n; g++)
+    for (int k = 0; k < HV; k++) VSTORE(Q->o[i0 + g] + k * LANES, VMUL(acc[g * HV + k], VSET1(inv[g])));
+}
+
+/* Scores of every query of Q against keys 0 .. n_i - 1, with the queries in lanes: per
+   key, D broadcast FMAs for LANES queries at once (qt [D][nqp]: the queries transposed,
+   scaled). */
+static void att_scores_lanes(const Model* M, const Queries* Q, int64_t head, const int64_t* pg, float scale,
+                             float* qt, float* tmp) {
+  const int D = M->head_dim, ps = M->page_size, nqp = (Q->nq + LANES - 1) / LANES * LANES;
+  int nmax = 0;
+  for (int i = 0; i < nqp; i++) {
+    for (int d = 0; d < D; d++) qt[d * nqp + i] = i < Q->nq ? Q->q[i][d] * scale : 0.0f;
+    if (i < Q->nq && Q->n[i] > nmax) nmax = Q->n[i];
+  }
+  float lane[LANES];
+  for (int t0 = 0; t0 < nmax; t0 += ps) {
+    const int64_t at = head + pg[t0 / ps] * ps * D;
+    for (int t = t0; t < nmax && t < t0 + ps; t++) {
+      const float* k = kv_row(M, M->pool_k, at + (int64_t)(t - t0) * D, D, tmp);
+      for (int b = 0; b < nqp; b += LANES) {
+        VEC a0 = VZERO, a1 = VZERO, a2 = VZERO, a3 = VZERO;  /* four chains: FMA latency */
+        int d = 0;
+        for (; d + 4 <= D; d += 4) {
+          a0 = VFMA(VSET1(k[d]), VLOAD(qt + d * nqp + b), a0);
+          a1 = VFMA(VSET1(k[d + 1]), VLOAD(qt + (d + 1) * nqp + b), a1);
+          a2 = VFMA(VSET1(k[d + 2]), VLOAD(qt + (d + 2) * nqp + b), a2);
+          a3 = VFMA(VSET1(k[d + 3]), VLOAD(qt + (d + 3) * nqp + b), a3);
+        }
+        for (; d < D; d++) a0 = VFMA(VSET1(k[d]), VLOAD(qt + d * nqp + b), a0);
+        VSTORE(lane, VADD(VADD(a0, a1), VADD(a2, a3)));
+        for (int i = b; i < b + LANES && i < Q->nq; i++)
+          if (t < Q->n[i]) Q->p[i][t] = lane[i - b];
       }
     }
+  }
+}
+
+/* One work item: scores, softmax, weighted V, for the queries of Q (all of KV head j). */
+static void att_item(const Model* M, int l, int j, const Queries* Q, const int64_t* pg, float* work) {
+  const int D = M->head_dim, ps = M->page_size;
+  const float scale = 1.0f / sqrtf((float)D);
+  const int64_t head = (int64_t)l * M->kv_heads * M->pool_slots * D + (int64_t)j * M->pool_slots * D;
+  float* tmp = work;           /* a widened K/V row: D floats */
+  float* qt = work + D;        /* D * ATT_MAXQ (rounded up to lanes) */
+  if (Q->nq >= ATT_LANES_MIN) {
+    att_scores_lanes(M, Q, head, pg, scale, qt, tmp);
+  } else {
+    for (int i = 0; i < Q->nq; i++)
+      for (int t0 = 0; t0 < Q->n[i]; t0 += ps) {
+        const int64_t at = head + pg[t0 / ps] * ps * D;
+        for (int t = t0; t < Q->n[i] && t < t0 + ps; t++)
+          Q->p[i][t] = dot_kv(M, Q->q[i], M->pool_k, at + (int64_t)(t - t0) * D, D) * scale;
+      }
+  }
+  float inv[ATT_MAXQ];
+  for (int i = 0; i < Q->nq; i++) {
+    float mx = -INFINITY;
+    for (int t = 0; t < Q->n[i]; t++) mx = Q->p[i][t] > mx ? Q->p[i][t] : mx;
+    inv[i] = 1.0f / exp_sum(Q->p[i], Q->n[i], mx);
+  }
+  const int HV = D / LANES;
+  if (D % LANES == 0 && (HV == 2 || HV == 4 || HV == 8) && HV <= ATT_ACC) {
+    for (int i0 = 0; i0 < Q->nq; i0 += ATT_ACC / HV) {
+      if (HV == 2) att_pv(2, ATT_ACC / 2, M, Q, i0, inv + i0, head, pg);
+      else if (HV == 4) att_pv(4, ATT_ACC / 4, M, Q, i0, inv + i0, head, pg);
+      else att_pv(8, ATT_ACC / 8, M, Q, i0, inv + i0, head, pg);
+    }
+    return;
+  }
+  for (int i = 0; i < Q->nq; i++) {  /* another head size: the output in memory */
+    for (int d = 0; d < D; d++) Q->o[i][d] = 0;
+    for (int t0 = 0; t0 < Q->n[i]; t0 += ps) {
+      const int64_t at = head + pg[t0 / ps] * ps * D;
+      for (int t = t0; t < Q->n[i] && t < t0 + ps; t++)
+        axpy_kv(M, Q->o[i], Q->p[i][t] * inv[i], M->pool_v, at + (int64_t)(t - t0) * D, D);
+    }
+  }
+}
+
+/* Attention of R rows at layer l: row r's H query heads (q + r * q_stride, H x D) over
+   its KV head's positions 0..pos[r], read from the row's pages in the pool (a page of
+   one head: page_size contiguous positions); o [R][H][D]; p [R][H][span] scratch for the
+   scores. Rows with the same page_at are one sequence's tokens (each at its own
+   position). Work items in parallel once the contexts make it worth a fork. */
+static void attend(const Model* M, int l, int R, const float* q, int64_t q_stride, float* o,
+                   const int64_t* pos, const int64_t* page_at, const int64_t* pages, float* p, int64_t span) {
+  const int H = M->heads, D = M->head_dim, G = H / M->kv_heads;
+  /* items: [first row, rows, first query head, heads]. One row alone in the step: one
+     item per query head (enough items for the threads); otherwise the G query heads of
+     a KV head together (they read the same K/V), for one row or for a sequence's rows
+     (in pieces of at most ATT_MAXQ queries: a piece re-reads the keys, and pieces that
+     fit one vector of lanes measured slower than whole sequences on fewer threads). */
+  int (*item)[4] = malloc(sizeof(int[4]) * ((size_t)R * H + 1));
+  int n_items = 0;
+  const int per_kv = R > 1 ? G : 1;
+  for (int r = 0; r < R;) {
+    int end = r + 1;
+    while (end < R && page_at[end] == page_at[r]) end++;
+    const int piece = ATT_MAXQ / G > 0 ? ATT_MAXQ / G : 1;
+    while (r < end) {
+      const int rows = end - r < piece ? end - r : piece;
+      for (int h = 0; h < H; h += per_kv) {
+        int* it = item[n_items++];
+        it[0] = r, it[1] = rows, it[2] = h, it[3] = per_kv;
+      }
+      r += rows;
+    }
+  }
+  const int nqp = (ATT_MAXQ + LANES - 1) / LANES * LANES;
+  #pragma omp parallel if (R * span >= 32)
+  {
+    float* work = malloc(sizeof(float) * ((size_t)D * (nqp + 1)));
+    #pragma omp for schedule(dynamic, 1)
+    for (int w = 0; w < n_items; w++) {
+      const int* it = item[w];
+      Queries Q;
+      Q.nq = 0;
+      for (int r = it[0]; r < it[0] + it[1]; r++)
+        for (int h = it[2]; h < it[2] + it[3]; h++) {
+          Q.q[Q.nq] = q + (int64_t)r * q_stride + (int64_t)h * D;
+          Q.o[Q.nq] = o + ((int64_t)r * H + h) * D;
+          Q.p[Q.nq] = p + ((int64_t)r * H + h) * span;
+          Q.n[Q.nq++] = (int)pos[r] + 1;
+        }
+      att_item(M, l, it[2] / G, &Q, pages + page_at[it[0]], work);
+    }
+    free(work);
+  }
+  free(item);
 }
 
 /* The same attention for the decode rows of an eager step (attention/cpu.py, their K/V
