@@ -1,4 +1,4 @@
-"""What the int4 kernel (ferroxmp/gpu_worker/quant/int4x16.c) is specified to compute,
+"""What the int4 / int8 kernel (ferroxmp/gpu_worker/quant/int4x16.c) is specified to compute,
 in float64 from the canonical Groups fields (not from the kernel's own layout): the
 dequantized weight times the activations rounded per group of 32 to a grid of 2 * 32258
 steps (held as two int8 digits),
@@ -61,12 +61,8 @@ def logit_noise(q_tokens: dict, q_logits: dict, f_tokens: dict, f_logits: dict) 
 
 
 def product_and_bound(g, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What Groups `g` (or its packed form) must give for x, in float64, and how far the
-    kernel's float32 arithmetic may be from it: int4 the specification above; int8
-    (groups.c, float32 activations) F.linear over the dequantized weight, within the
-    gamma_K bound of a float32 dot product in any order (slack 16)."""
-    if g.format == "int4":
-        return rounded_product(g, x), float_bound(g, x)
-    w = g.dequantize().double()
-    return x.double() @ w.T, 16 * g.shape[1] * 2.0 ** -24 * (x.double().abs() @ w.abs().T) + 1e-30
+    """What Groups `g` (int4 or int8, or its packed form) must give for x, in float64 (the
+    specification above: both formats go through int4x16.c), and how far the kernel's
+    float32 arithmetic may be from it."""
+    return rounded_product(g, x), float_bound(g, x)
 

@@ -244,9 +244,10 @@ def test_the_reported_weight_bytes_equal_the_bytes_of_the_tensors_the_model_hold
     loaded = load_weights(path, CPU, cfg.dtype, quantization=mode)
 
     def nbytes(t) -> int:
-        if isinstance(t, Groups):  # int4: two values a byte; float16 d (and m) per group of 32
-            return t.shape[0] * t.shape[1] // (2 if t.format == "int4" else 1) + \
-                t.shape[0] * t.shape[1] // 32 * (4 if t.format == "int4" else 2)
+        if isinstance(t, Groups):  # int4: two values a byte; float16 d (and m) per group of 32;
+            rows = -(-t.shape[0] // 16) * 16  # held in blocks of 16 rows, the last padded
+            return rows * t.shape[1] // (2 if t.format == "int4" else 1) + \
+                rows * t.shape[1] // 32 * (4 if t.format == "int4" else 2)
         return t.numel() * t.element_size()
     direct = sum(nbytes(t) for t in loaded.values())
     tied = "lm_head.weight" not in loaded

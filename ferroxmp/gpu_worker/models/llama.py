@@ -119,13 +119,13 @@ class DecoderLM:
                 w_gate_up=pack(cat_rows([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])),
                 w_down=pack(take(m + "down_proj.weight"))))
         self.norm = take("model.norm.weight")
-        # Quantized: the embedding stays Groups (read row by row) and a tied head multiplies
-        # by the same object (int4: both are the packed Int4x16, which reads rows too);
-        # under fp16 the head is packed for FBGEMM (a tied head: a second, packed copy of
-        # the float16 values).
+        # Quantized: the embedding is packed too (Int4x16 / Int8x16 read rows natively) and
+        # a tied head multiplies by the same object; under fp16 the head is packed for
+        # FBGEMM (a tied head: a second, packed copy of the float16 values) and the
+        # embedding stays a float16 tensor.
         self.lm_head = pack(self.embed if cfg.tie_word_embeddings else weights.pop("lm_head.weight", self.embed))
-        if cfg.tie_word_embeddings and not isinstance(self.embed, torch.Tensor):
-            self.embed = self.lm_head
+        if not isinstance(self.embed, torch.Tensor):
+            self.embed = self.lm_head if cfg.tie_word_embeddings else pack(self.embed)
         # One float32 table for every position, indexed per step (same bits as computing
         # position * inv_freq on the fly, as transformers does).
         freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None]

@@ -1,24 +1,24 @@
 /* A step of up to 16 tokens (decode rows, a speculative verify's or a short prompt's
    chunk: each token one row at its own position) through every layer in one call, for a
-   model whose linear weights are groups of 32 (int4/int8, groups.c) or float32, float32
+   model whose linear weights are groups of 32 (int4/int8, int4x16.c) or float32, float32
    activations.
 
    Why: the eager step is ~600 small torch ops between the matmuls, each a few
    microseconds of dispatch, whatever the batch: on SmolLM2 int4 at batch 1 they cost about
    as much as the matmuls themselves (docs/BENCHMARKS.md 21), and in float32 they are what
    stands between the step and the bandwidth floor. Here the glue between the matmuls
-   (RMSNorm, RoPE, q/k norms, the KV writes, attention over each row's contiguous K/V,
-   SiLU-mul, the residual adds) is a few loops over a few thousand floats per row, and the
-   matmuls are groups.c's small-M kernels (OpenMP over output rows), every row of the step
-   in one pass over each weight. Past 16 rows MKL's GEMM multiplies float32 faster
+   (RMSNorm, RoPE, q/k norms, the KV writes, attention over each row's pages, SiLU-mul,
+   the residual adds) is a few loops over a few thousand floats per row, and the matmuls
+   are int4x16.c's and groups.c's small-M kernels (OpenMP over output rows), every row of
+   the step in one pass over each weight. Past 16 rows MKL's GEMM multiplies float32 faster
    (packed.cpu_f32_linear's range) and the step runs eagerly.
 
    Numerics follow models/llama.py in float32 (RMSNorm: x * rsqrt(mean(x^2) + eps), then
    the weight; RoPE: x * cos + rotate_half(x) * sin; softmax scale head_dim ** -0.5); sums
    run in another order than torch's, so results agree within float rounding, not to the
    bit (tests/test_fused_decode.py bounds the difference and compares greedy tokens). A
-   row's sums do not depend on the other rows of the step (groups.c's blocks), except that
-   int4 takes another order for a step of exactly one row (row_one).
+   row's sums do not depend on the other rows of the step (the kernels' blocks), except
+   that float32 takes another order for a step of exactly one row (f32_row).
 
    KV: row r's K/V go to the pool (layout "hnd": [layers][kv_heads][slots][head_dim];
    float32, or float16 under --kv-cache-dtype float16: store_kv) at `slot[r]`, and
@@ -33,7 +33,7 @@
 #include "int4x16.c"
 
 typedef struct {
-  const uint8_t* q; const uint16_t* d; const uint16_t* m;  /* m: int4 (int4x16.c); NULL: int8; d NULL: float32 */
+  const uint8_t* q; const uint16_t* d; const uint16_t* m;  /* int4x16.c's blocks: m int4, NULL int8; d NULL: float32 */
   const float* bias;  /* NULL: none */
   int n, k;
 } Lin;
@@ -66,11 +66,11 @@ static void store_kv(const Model* M, void* pool, int64_t at, float* x, int n) {
 
 
 
-/* y[R][n] = x[R][k] W^T (+ bias). xs: the int4 kernel's scratch (int4x16_scratch bytes). */
+/* y[R][n] = x[R][k] W^T (+ bias). xs: the int4/int8 kernel's scratch (int4x16_scratch bytes). */
 static void lin(const Lin* w, int R, const float* x, float* y, float* xs) {
   if (!w->d) f32_mm(R, w->n, w->k, x, (const float*)w->q, y);
   else if (w->m) int4x16_mm(R, w->n, w->k, x, w->q, w->d, w->m, xs, y);
-  else int8_mm(R, w->n, w->k, x, (const int8_t*)w->q, w->d, y);
+  else int8x16_mm(R, w->n, w->k, x, (const int8_t*)w->q, w->d, xs, y);
   if (w->bias)
     for (int r = 0; r < R; r++)
       for (int i = 0; i < w->n; i++) y[(int64_t)r * w->n + i] += w->bias[i];

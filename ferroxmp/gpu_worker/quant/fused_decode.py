@@ -21,7 +21,6 @@ from typing import Optional
 
 import torch
 
-from ferroxmp.gpu_worker.quant.groups import Groups
 from ferroxmp.gpu_worker.quant.int4x16 import Int4x16
 from ferroxmp.gpu_worker.quant.native import available, library, ptr
 from ferroxmp.gpu_worker.quant.packed import SMALL_ROWS, linear, cpu_f32_linear
@@ -61,8 +60,8 @@ def _float32(t: Optional[torch.Tensor], keep: list) -> Optional[int]:
 
 
 def _lin(w, bias: Optional[torch.Tensor], keep: list) -> _Lin:
-    """Int4x16, int8 Groups (m NULL) or a float32 tensor (d NULL): fused_decode.c tells
-    them apart by those fields."""
+    """Int4x16, Int8x16 (m NULL) or a float32 tensor (d NULL): fused_decode.c tells them
+    apart by those fields."""
     n, k = w.shape
     if isinstance(w, torch.Tensor):
         return _Lin(_float32(w, keep), None, None, _float32(bias, keep), n, k)
@@ -70,12 +69,10 @@ def _lin(w, bias: Optional[torch.Tensor], keep: list) -> _Lin:
 
 
 def _fits(w) -> bool:
-    """A weight fused_decode.c multiplies: int4 (packed: Int4x16), int8 groups, or float32
+    """A weight fused_decode.c multiplies: int4 / int8 packed (Int4x16, Int8x16), or float32
     rows of whole groups of 32 values on CPU (f32_mm's blocks)."""
-    if isinstance(w, Int4x16):
+    if isinstance(w, Int4x16):  # Int8x16 too
         return True
-    if isinstance(w, Groups):
-        return w.format == "int8"  # int4 Groups are multiplied once packed (Int4x16)
     return (isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == "cpu"
             and w.is_contiguous() and w.shape[1] % 32 == 0)
 
@@ -104,7 +101,7 @@ class FusedDecode:
         cfg = model.cfg
         weights = [w for L in model.layers for w in (L.w_qkv, L.w_o, L.w_gate_up, L.w_down)]
         if not all(_fits(w) for w in weights):
-            return "its linear weights are not all int4/int8 groups or float32 rows of whole groups of 32"
+            return "its linear weights are not all packed int4/int8 or float32 rows of whole groups of 32"
         if cfg.dtype != torch.float32 or kv.device.type != "cpu":
             return "it computes in float32 on CPU only"
         if kv.dtype not in (torch.float32, torch.float16):

@@ -1,6 +1,6 @@
 """Groups: a [rows, cols] weight kept in groups of 32 values along each row, as a GGUF
-file stores it: int8 multiplied in that form by groups.c (float32 activations), int4
-repacked for its kernel once the model is built (Int4x16, int4x16.c).
+file stores it; repacked for its CPU kernel once the model is built (Int4x16 / Int8x16,
+int4x16.c), multiplied as it is on a GPU (triton_groups.py).
 
 Formats (GROUP = 32 values, scales float16):
 - int4: w = q * d + m, q in 0..15, two values a byte: byte j of a group holds value j in
@@ -11,10 +11,10 @@ Formats (GROUP = 32 values, scales float16):
 Job: the one form of a quantized weight from the loader to the model. It is sliced like
 the float tensor it replaces (rows; columns at group boundaries: tensor-parallel shards),
 concatenated (fused qkv, gate/up), padded with zero rows (the last vocabulary shard), read
-row by row (the embedding) and called like F.linear (int8: no packed copy, so a head
-tied to the embedding is the same object; int4 through an Int4x16 made for the call:
-packed.pack makes the one the model keeps). On a CUDA device it is called as it is,
-through triton_groups.py's kernels (both formats, this layout).
+row by row (the embedding) and called like F.linear (on CPU through a packed copy made
+for the call: packed.pack makes the one the model keeps, which a tied head shares with
+the embedding). On a CUDA device it is called as it is, through triton_groups.py's
+kernels (both formats, this layout).
 
 Invariants: cols % 32 == 0; q, d, m have the same rows; `dequantize()` is computed by
 torch from the fields (not by the kernel), so it is an independent reference for it.
@@ -27,13 +27,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ferroxmp.gpu_worker.quant.native import library, ptr
-from ferroxmp.gpu_worker.quant.packed import gemm
 
 GROUP = 32
-# Above this many activation rows (a prefill chunk) an int8 weight is widened to float32
-# once and multiplied by a GEMM (packed.gemm): the kernel re-reads a group for every 4 rows.
-DEQUANT_ROWS = 80
 
 
 @dataclass
@@ -175,36 +170,18 @@ class Groups:
 
     # --- multiplying by it ----------------------------------------------------------------
     def packed(self):
-        """The form the model keeps: int8 as it is, int4 repacked for int4x16.c on CPU (on
-        a GPU the Triton kernels read this layout itself)."""
-        if self.m is None or not self.on_cpu:
+        """The form the model keeps on CPU: repacked in blocks of 16 rows for int4x16.c
+        (Int4x16 / Int8x16). On a GPU the Triton kernels read this layout itself."""
+        if not self.on_cpu:
             return self
-        from ferroxmp.gpu_worker.quant.int4x16 import Int4x16
-        return Int4x16.from_groups(self)
+        from ferroxmp.gpu_worker.quant.int4x16 import Int4x16, Int8x16
+        return (Int8x16 if self.m is None else Int4x16).from_groups(self)
 
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if not self.on_cpu:
             from ferroxmp.gpu_worker.quant.triton_groups import groups_linear
             return groups_linear(x, self, bias)
-        if self.m is not None:
-            return self.packed()(x, bias)
-        rows, cols = self.shape
-        x2 = x.reshape(-1, cols).float().contiguous()
-        if x2.shape[0] > DEQUANT_ROWS:
-            y = gemm(x2, self.widened())
-        else:
-            y = torch.empty(x2.shape[0], rows)
-            library().int8_mm(x2.shape[0], rows, cols, ptr(x2), ptr(self.q), ptr(self.d), ptr(y))
-        if bias is not None:
-            y = y + bias.float()
-        return y.reshape(*x.shape[:-1], rows).to(x.dtype)
-
-    def widened(self) -> torch.Tensor:
-        """The int8 weight as float32, made by the kernel library (for a many-row multiply)."""
-        rows, cols = self.shape
-        out = torch.empty(rows, cols)
-        library().int8_dequant(rows, cols, ptr(self.q), ptr(self.d), ptr(out))
-        return out
+        return self.packed()(x, bias)
 
 
 def cat_rows(parts: list) -> "torch.Tensor | Groups":

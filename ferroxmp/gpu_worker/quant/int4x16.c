@@ -36,8 +36,9 @@
 /* One activation row's groups, each rounded to v = round(x / s), s = max|x| / 32258, and v
    split into two int8 digits v = 254 * hi + lo (hi = round(v / 254), so |lo| <= 127): xq
    [K / 32][64] holds a group's 32 hi digits then its 32 lo digits; sc [G] = s, sum [G] =
-   s * sum(v). */
-static void x16_quantize_row(int K, const float* x, int8_t* xq, float* sc, float* sum) {
+   s * sum(v); dsum [G][2] = the sums of its hi and of its lo digits (int8 weights read as
+   unsigned, q + 128, take 128 times them back off). */
+static void x16_quantize_row(int K, const float* x, int8_t* xq, float* sc, float* sum, int32_t* dsum) {
   for (int g = 0; g < K / 32; g++) {
     const float* xg = x + g * 32;
     int8_t* out = xq + g * 64;
@@ -53,6 +54,8 @@ static void x16_quantize_row(int K, const float* x, int8_t* xq, float* sc, float
       _mm_storeu_si128((__m128i*)(out + 32 + 16 * h), _mm512_cvtsepi32_epi8(lo));
     }
     const int isum = _mm512_reduce_add_epi32(_mm512_add_epi32(v[0], v[1]));
+    int shi = 0, slo = 0;
+    for (int i = 0; i < 32; i++) shi += out[i], slo += out[32 + i];
 #else
     __m256 f[4], mx = _mm256_setzero_ps();
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -81,9 +84,12 @@ static void x16_quantize_row(int K, const float* x, int8_t* xq, float* sc, float
     __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
     s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0x4e));
     const int isum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xb1)));
+    int shi = 0, slo = 0;
+    for (int i = 0; i < 32; i++) shi += out[i], slo += out[32 + i];
 #endif
     sc[g] = amax / X16_GRID;
     sum[g] = sc[g] * (float)isum;
+    dsum[2 * g] = shi, dsum[2 * g + 1] = slo;
   }
 }
 
@@ -106,33 +112,77 @@ static inline __m512i x16_dot(const __m512i w[8], const int32_t* x4) {
 #endif
 }
 
-/* A block's group times `mb` activation rows (mb a constant at each call: the
-   accumulators f stay in registers), out [mb][16]. */
-static inline __attribute__((always_inline)) void x16_block(int G, int mb, const int8_t* xq, const float* sc,
-    const float* sum, const uint8_t* qb, const uint16_t* db, const uint16_t* mbk, float* out) {
+/* int8: q . digits for 16 rows, w [8] a group's 8 chunks (values 4j .. 4j+3 of each row,
+   signed) as prepared by x16_block: VNNI, q + 128 (unsigned; the caller takes 128 times
+   the digits' sum back off); otherwise |q|, and each digit takes q's sign (vpmaddubsw
+   multiplies unsigned by signed: |q| * 127 * 2 = 32,258 fits int16, widened at once). */
+static inline __m512i x16_dot8(const __m512i wa[8], const __m512i w[8], const int32_t* x4) {
+#ifdef __AVX512VNNI__
+  (void)w;
+  return x16_dot(wa, x4);
+#else
+  const __m512i zero = _mm512_setzero_si512(), ones = _mm512_set1_epi16(1);
+  __m512i acc = zero;
+  for (int j = 0; j < 8; j++) {
+    const __m512i x = _mm512_set1_epi32(x4[j]);
+    const __m512i xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w[j]), zero, x);
+    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(wa[j], xs), ones));
+  }
+  return acc;
+#endif
+}
+
+/* A block's group times `mb` activation rows (mb and int8 constants at each call: the
+   accumulators f stay in registers), out [mb][16]. int8: a group is 512 bytes, 8 chunks
+   of 64 (chunk j: 4 bytes a row, its values 4j .. 4j+3), no m. */
+static inline __attribute__((always_inline)) void x16_block(int int8, int G, int mb, const int8_t* xq,
+    const float* sc, const float* sum, const int32_t* dsum, const uint8_t* qb, const uint16_t* db,
+    const uint16_t* mbk, float* out) {
   __m512 f[X16_MB];
   const __m512i m4 = _mm512_set1_epi8(15);
+  const int gbytes = int8 ? 2 * X16_BYTES : X16_BYTES;
   for (int r = 0; r < mb; r++) f[r] = _mm512_setzero_ps();
   for (int g = 0; g < G; g++) {
-    const uint8_t* qg = qb + (int64_t)g * X16_BYTES;
+    const uint8_t* qg = qb + (int64_t)g * gbytes;
     _mm_prefetch((const char*)qg + PREFETCH, _MM_HINT_T0);
     _mm_prefetch((const char*)qg + PREFETCH + 64, _MM_HINT_T0);
-    __m512i w[8];
-    for (int p = 0; p < 4; p++) {
-      __m512i raw = _mm512_loadu_si512(qg + 64 * p);
-      w[2 * p] = _mm512_and_si512(raw, m4);
-      w[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+    __m512i w[8], wa[8];
+    if (int8) {
+      for (int j = 0; j < 8; j++) {
+        w[j] = _mm512_loadu_si512(qg + 64 * j);
+#ifdef __AVX512VNNI__
+        wa[j] = _mm512_xor_si512(w[j], _mm512_set1_epi8((char)0x80));
+#else
+        wa[j] = _mm512_abs_epi8(w[j]);
+#endif
+      }
+    } else {
+      for (int p = 0; p < 4; p++) {
+        __m512i raw = _mm512_loadu_si512(qg + 64 * p);
+        w[2 * p] = _mm512_and_si512(raw, m4);
+        w[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+      }
     }
     __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(db + g * 16)));
-    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mbk + g * 16)));
+    __m512 m = int8 ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mbk + g * 16)));
     for (int r = 0; r < mb; r++) {
       const int32_t* x4 = (const int32_t*)(xq + (int64_t)r * G * 64 + g * 64);
-      __m512i acc = x16_dot(w, x4 + 8);  /* the lo digits, then 254 * the hi ones */
-      __m512i hi = x16_dot(w, x4);
-      acc = _mm512_add_epi32(acc, _mm512_sub_epi32(_mm512_slli_epi32(hi, 8), _mm512_slli_epi32(hi, 1)));
       const int64_t rg = (int64_t)r * G + g;
+      __m512i acc, hi;  /* the lo digits, then 254 * the hi ones */
+      if (int8) {
+        acc = x16_dot8(wa, w, x4 + 8);
+        hi = x16_dot8(wa, w, x4);
+#ifdef __AVX512VNNI__
+        acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * dsum[2 * rg + 1]));
+        hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(128 * dsum[2 * rg]));
+#endif
+      } else {
+        acc = x16_dot(w, x4 + 8);
+        hi = x16_dot(w, x4);
+      }
+      acc = _mm512_add_epi32(acc, _mm512_sub_epi32(_mm512_slli_epi32(hi, 8), _mm512_slli_epi32(hi, 1)));
       f[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(sc[rg])), d, f[r]);
-      f[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sum[rg]), f[r]);
+      if (!int8) f[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sum[rg]), f[r]);
     }
   }
   for (int r = 0; r < mb; r++) _mm512_storeu_ps(out + r * 16, f[r]);
@@ -141,26 +191,42 @@ static inline __attribute__((always_inline)) void x16_block(int G, int mb, const
 #else
 /* AVX2: half h of a block (rows 8h .. 8h+7: the first or second 32 bytes of each pair),
    4 activation rows at a time (16 registers). */
-static inline __attribute__((always_inline)) void x16_half(int G, int h, int mb, const int8_t* xq, const float* sc,
-    const float* sum, const uint8_t* qb, const uint16_t* db, const uint16_t* mbk, float* out) {
+static inline __attribute__((always_inline)) void x16_half(int int8, int G, int h, int mb, const int8_t* xq,
+    const float* sc, const float* sum, const uint8_t* qb, const uint16_t* db, const uint16_t* mbk, float* out) {
   __m256 f[4];
   const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const int gbytes = int8 ? 2 * X16_BYTES : X16_BYTES;
   for (int r = 0; r < mb; r++) f[r] = _mm256_setzero_ps();
   for (int g = 0; g < G; g++) {
-    const uint8_t* qg = qb + (int64_t)g * X16_BYTES + 32 * h;
+    const uint8_t* qg = qb + (int64_t)g * gbytes + 32 * h;
     _mm_prefetch((const char*)qg + PREFETCH, _MM_HINT_T0);
-    __m256i w[8];
-    for (int p = 0; p < 4; p++) {
-      __m256i raw = _mm256_loadu_si256((const __m256i*)(qg + 64 * p));
-      w[2 * p] = _mm256_and_si256(raw, m4);
-      w[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+    __m256i w[8], wa[8];
+    if (int8) {  /* |q|, and each digit takes q's sign (vpmaddubsw: unsigned times signed) */
+      for (int j = 0; j < 8; j++) {
+        w[j] = _mm256_loadu_si256((const __m256i*)(qg + 64 * j));
+        wa[j] = _mm256_abs_epi8(w[j]);
+      }
+    } else {
+      for (int p = 0; p < 4; p++) {
+        __m256i raw = _mm256_loadu_si256((const __m256i*)(qg + 64 * p));
+        w[2 * p] = _mm256_and_si256(raw, m4);
+        w[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+      }
     }
     __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(db + g * 16 + 8 * h)));
-    __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mbk + g * 16 + 8 * h)));
+    __m256 m = int8 ? _mm256_setzero_ps() : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mbk + g * 16 + 8 * h)));
     for (int r = 0; r < mb; r++) {
       const int32_t* x4 = (const int32_t*)(xq + (int64_t)r * G * 64 + g * 64);
       __m256i acc[2];
       for (int digit = 0; digit < 2; digit++) {  /* hi digits, lo digits */
+        if (int8) {  /* |q| * 127 * 2 = 32,258: each pair fits int16, widened at once */
+          acc[digit] = _mm256_setzero_si256();
+          for (int j = 0; j < 8; j++) {
+            const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(x4[8 * digit + j]), w[j]);
+            acc[digit] = _mm256_add_epi32(acc[digit], _mm256_madd_epi16(_mm256_maddubs_epi16(wa[j], x), ones));
+          }
+          continue;
+        }
         __m256i s16 = _mm256_setzero_si256();  /* 8 x 2 products of at most 15 * 127: fits int16 */
         for (int j = 0; j < 8; j++)
           s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(x4[8 * digit + j])));
@@ -170,7 +236,7 @@ static inline __attribute__((always_inline)) void x16_half(int G, int h, int mb,
       __m256 v = _mm256_cvtepi32_ps(_mm256_add_epi32(acc[1], _mm256_sub_epi32(_mm256_slli_epi32(acc[0], 8),
                                                                            _mm256_slli_epi32(acc[0], 1))));
       f[r] = _mm256_fmadd_ps(_mm256_mul_ps(v, _mm256_set1_ps(sc[rg])), d, f[r]);
-      f[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sum[rg]), f[r]);
+      if (!int8) f[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sum[rg]), f[r]);
     }
   }
   for (int r = 0; r < mb; r++) _mm256_storeu_ps(out + r * 16 + 8 * h, f[r]);
@@ -178,39 +244,45 @@ static inline __attribute__((always_inline)) void x16_half(int G, int h, int mb,
 #define X16_HALVES 2
 #endif
 
-/* Scratch bytes int4x16_mm needs for M activation rows of K values. */
-int64_t int4x16_scratch(int M, int K) { return 2 * (int64_t)M * K + 2 * (int64_t)M * (K / 32) * sizeof(float); }
+/* Scratch bytes int4x16_mm / int8x16_mm need for M activation rows of K values: the
+   digits, then per row and group s, s * sum(v) and the two digit sums. */
+int64_t int4x16_scratch(int M, int K) { return 2 * (int64_t)M * K + 4 * (int64_t)M * (K / 32) * sizeof(float); }
 
-/* y[M][N] = x[M][K] W^T for W in blocks (N rows, ceil(N / 16) blocks). scratch: int4x16_scratch bytes. */
-void int4x16_mm(int M, int N, int K, const float* x, const uint8_t* q, const uint16_t* d, const uint16_t* m,
-                void* scratch, float* y) {
-  const int G = K / 32, NB = (N + X16 - 1) / X16;
+/* y[M][N] = x[M][K] W^T for W in blocks (N rows, ceil(N / 16) blocks): int4 (m) or int8
+   (int8 set: m unused). scratch: int4x16_scratch bytes. */
+static inline __attribute__((always_inline)) void x16_mm(int int8, int M, int N, int K, const float* x,
+    const uint8_t* q, const uint16_t* d, const uint16_t* m, void* scratch, float* y) {
+  const int G = K / 32, NB = (N + X16 - 1) / X16, gbytes = int8 ? 2 * X16_BYTES : X16_BYTES;
   int8_t* xq = (int8_t*)scratch;
   float* sc = (float*)(xq + 2 * (int64_t)M * K);
   float* sum = sc + (int64_t)M * G;
+  int32_t* dsum = (int32_t*)(sum + (int64_t)M * G);
   #pragma omp parallel for schedule(static) if (M >= 8)
   for (int r = 0; r < M; r++)
-    x16_quantize_row(K, x + (int64_t)r * K, xq + 2 * (int64_t)r * K, sc + (int64_t)r * G, sum + (int64_t)r * G);
+    x16_quantize_row(K, x + (int64_t)r * K, xq + 2 * (int64_t)r * K, sc + (int64_t)r * G, sum + (int64_t)r * G,
+                     dsum + 2 * (int64_t)r * G);
   #pragma omp parallel for schedule(static)
   for (int b = 0; b < NB; b++) {
-    const uint8_t* qb = q + (int64_t)b * G * X16_BYTES;
-    const uint16_t *db = d + (int64_t)b * G * 16, *mbk = m + (int64_t)b * G * 16;
+    const uint8_t* qb = q + (int64_t)b * G * gbytes;
+    const uint16_t *db = d + (int64_t)b * G * 16, *mbk = int8 ? NULL : m + (int64_t)b * G * 16;
     const int rows = N - b * X16 < X16 ? N - b * X16 : X16;
     for (int r0 = 0; r0 < M; r0 += X16_MB) {
       const int mb = M - r0 < X16_MB ? M - r0 : X16_MB;
       const int8_t* xr = xq + 2 * (int64_t)r0 * K;
       const float *scr = sc + (int64_t)r0 * G, *sumr = sum + (int64_t)r0 * G;
+      const int32_t* dsr = dsum + 2 * (int64_t)r0 * G;
       float out[X16_MB * 16];
 #ifdef __AVX512BW__
-#define MB(c) case c: x16_block(G, c, xr, scr, sumr, qb, db, mbk, out); break;
+#define MB(c) case c: x16_block(int8, G, c, xr, scr, sumr, dsr, qb, db, mbk, out); break;
       switch (mb) { MB(1) MB(2) MB(3) MB(4) MB(5) MB(6) MB(7) MB(8) MB(9) MB(10) MB(11) MB(12) MB(13) MB(14)
                     MB(15) MB(16) }
 #undef MB
 #else
+      (void)dsr;
       for (int h = 0; h < X16_HALVES; h++)
         for (int i = 0; i < mb; i += 4) {
           const int n4 = mb - i < 4 ? mb - i : 4;
-#define MB(c) case c: x16_half(G, h, c, xr + 2 * (int64_t)i * K, scr + (int64_t)i * G, sumr + (int64_t)i * G, \
+#define MB(c) case c: x16_half(int8, G, h, c, xr + 2 * (int64_t)i * K, scr + (int64_t)i * G, sumr + (int64_t)i * G, \
                                qb, db, mbk, out + i * 16); break;
           switch (n4) { MB(1) MB(2) MB(3) MB(4) }
 #undef MB
@@ -222,15 +294,33 @@ void int4x16_mm(int M, int N, int K, const float* x, const uint8_t* q, const uin
   }
 }
 
-/* Row n of W as float32 (K values): its nibbles of each pair, the low plane's 4 values
-   then the high plane's, times d plus m (the embedding's lookup). */
+void int4x16_mm(int M, int N, int K, const float* x, const uint8_t* q, const uint16_t* d, const uint16_t* m,
+                void* scratch, float* y) {
+  x16_mm(0, M, N, K, x, q, d, m, scratch, y);
+}
+
+void int8x16_mm(int M, int N, int K, const float* x, const int8_t* q, const uint16_t* d, void* scratch, float* y) {
+  x16_mm(1, M, N, K, x, (const uint8_t*)q, d, NULL, scratch, y);
+}
+
+/* Row n of W as float32 (K values), the embedding's lookup. int4: its nibbles of each
+   pair, the low plane's 4 values then the high plane's, times d plus m; int8 (m NULL):
+   chunk j's 4 bytes, values 4j .. 4j+3, times d. */
 static inline void x16_row(int K, const uint8_t* q, const uint16_t* d, const uint16_t* m, int64_t n, float* out) {
   const int G = K / 32, i = (int)(n % X16);
   const int64_t b = n / X16;
   const __m128i m4 = _mm_set1_epi8(15);
   for (int g = 0; g < G; g++) {
+    const float dv = h2f(d[(b * G + g) * 16 + i]);
+    const __m256 dg = _mm256_set1_ps(dv);
+    if (!m) {
+      const int8_t* qg = (const int8_t*)q + (b * G + g) * 2 * X16_BYTES + 4 * i;
+      for (int j = 0; j < 8; j++)
+        for (int c = 0; c < 4; c++) out[g * 32 + 4 * j + c] = (float)qg[64 * j + c] * dv;
+      continue;
+    }
     const uint8_t* qg = q + (b * G + g) * X16_BYTES + 4 * i;
-    const __m256 dg = _mm256_set1_ps(h2f(d[(b * G + g) * 16 + i])), mg = _mm256_set1_ps(h2f(m[(b * G + g) * 16 + i]));
+    const __m256 mg = _mm256_set1_ps(h2f(m[(b * G + g) * 16 + i]));
     for (int p = 0; p < 4; p++) {
       __m128i raw = _mm_cvtsi32_si128(*(const int32_t*)(qg + 64 * p));
       __m128i v = _mm_unpacklo_epi32(_mm_and_si128(raw, m4), _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
@@ -240,7 +330,7 @@ static inline void x16_row(int K, const uint8_t* q, const uint16_t* d, const uin
   }
 }
 
-/* Rows ids[0 .. count) as float32 (out [count][K]): the embedding's lookup. */
+/* Rows ids[0 .. count) as float32 (out [count][K]): the embedding's lookup (m NULL: int8). */
 void int4x16_rows(int count, const int64_t* ids, int K, const uint8_t* q, const uint16_t* d, const uint16_t* m,
                   float* out) {
   #pragma omp parallel for schedule(static) if (count >= 64)

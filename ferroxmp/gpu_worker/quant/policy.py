@@ -127,6 +127,10 @@ def target_format(name: str, shape: tuple, mode: str, stored: Optional[str] = No
 
 
 def format_bytes(fmt: Optional[str], shape: tuple, itemsize: int) -> int:
+    if fmt in ("int4", "int8") and len(shape) == 2:
+        # int4x16.c's blocks of 16 rows, the last padded with zeros (on CPU; a GPU holds the
+        # rows unpadded, so there this counts at most 15 rows a tensor too many)
+        shape = (-(-shape[0] // 16) * 16, shape[1])
     n = 1
     for d in shape:
         n *= d
