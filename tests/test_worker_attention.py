@@ -209,14 +209,15 @@ def test_the_mirror_and_the_gather_give_the_same_bits():
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 8), (9, 3, 64), (8, 1, 48), (4, 4, 128), (16, 2, 32)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 8), (9, 3, 64), (8, 1, 48), (4, 4, 128), (16, 2, 32), (64, 1, 16)])
 def test_tokens_sharing_their_pages_each_attend_up_to_their_own_position(kv_dtype, heads, kv_heads, dim):
     """PageDecode over rows that share one page list (a chunk's tokens in a fused step: a
     speculative verify, a short prompt), each at its own position, beside single rows:
     every query must see exactly keys 0..its position (causal within the chunk). Cases:
     the scores with queries in lanes (>= 6 queries), a chunk of more queries than one work
     item takes (20 tokens x 8 heads), head sizes whose V sums stay in registers (32, 64,
-    128) or not (8, 48), GQA 1-8, a float16 pool."""
+    128) or not (8, 48), GQA 1-64 (64: more query heads than a work item takes), a float16
+    pool."""
     from ferroxmp.gpu_worker.attention.page_decode import PageDecode
     g = torch.Generator().manual_seed(heads * dim)
     ps, num_pages = 4, 64

@@ -369,11 +369,11 @@ static void attend(const Model* M, int l, int R, const float* q, int64_t q_strid
      fit one vector of lanes measured slower than whole sequences on fewer threads). */
   int (*item)[4] = malloc(sizeof(int[4]) * ((size_t)R * H + 1));
   int n_items = 0;
-  const int per_kv = R > 1 ? G : 1;
+  const int per_kv = R > 1 && G <= ATT_MAXQ ? G : 1;  /* (G past ATT_MAXQ: one query head an item) */
   for (int r = 0; r < R;) {
     int end = r + 1;
     while (end < R && page_at[end] == page_at[r]) end++;
-    const int piece = ATT_MAXQ / G > 0 ? ATT_MAXQ / G : 1;
+    const int piece = ATT_MAXQ / per_kv;
     while (r < end) {
       const int rows = end - r < piece ? end - r : piece;
       for (int h = 0; h < H; h += per_kv) {
