@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from typing import Optional
 
 import zmq
@@ -319,6 +320,8 @@ def in_child(fn, *fn_args):
             with os.fdopen(w, "w") as f:
                 json.dump(out, f)
             code = 0
+        except BaseException:  # a bug: its traceback on stderr, no answer (os._exit drops it)
+            traceback.print_exc()
         finally:
             logging.shutdown()
             os._exit(code)
@@ -327,7 +330,7 @@ def in_child(fn, *fn_args):
         answer = f.read()
     _, status = os.waitpid(pid, 0)
     if not answer:
-        raise ValueError(f"the check ended without an answer (wait status {status})")
+        raise ValueError(f"the check ended without an answer (exit code {os.waitstatus_to_exitcode(status)})")
     out = json.loads(answer)
     if "error" in out:
         raise ValueError(out["error"])

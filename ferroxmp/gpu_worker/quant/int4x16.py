@@ -49,13 +49,17 @@ class Int4x16:
         """Per-group scales [rows, groups] -> [blocks, groups, 16] (a block's rows in lanes)."""
         return t.reshape(nb, BLOCK, G).transpose(1, 2).contiguous()
 
+    @staticmethod
+    def _blocks(g):
+        """Groups `g` with zero rows up to a multiple of 16, its groups a row and its blocks."""
+        g = g.pad_rows(-g.shape[0] % BLOCK)
+        return g, g.shape[1] // GROUP, g.shape[0] // BLOCK
+
     @classmethod
     def from_groups(cls, g) -> "Int4x16":
         """The same values as int4 Groups `g`, rows padded with zeros to a multiple of 16."""
-        rows, cols = g.shape
-        G = cols // GROUP
-        g = g.pad_rows(-rows % BLOCK)
-        nb = g.shape[0] // BLOCK
+        rows = g.shape[0]
+        g, G, nb = cls._blocks(g)
         q = torch.empty(nb, G, 256, dtype=torch.uint8)
         for lo in range(0, g.shape[0], _PACK_ROWS):
             part = g[lo:lo + _PACK_ROWS]
@@ -118,10 +122,8 @@ class Int8x16(Int4x16):
     @classmethod
     def from_groups(cls, g) -> "Int8x16":
         """The same values as int8 Groups `g`, rows padded with zeros to a multiple of 16."""
-        rows, cols = g.shape
-        G = cols // GROUP
-        g = g.pad_rows(-rows % BLOCK)
-        nb = g.shape[0] // BLOCK
+        rows = g.shape[0]
+        g, G, nb = cls._blocks(g)
         # value 4j + c of a group -> chunk j, lane (row), c
         q = g.q.reshape(nb, BLOCK, G, 8, 4).permute(0, 2, 3, 1, 4).reshape(nb, G, 512).contiguous()
         return cls(q, cls._lanes(g.d, nb, G), None, rows)
