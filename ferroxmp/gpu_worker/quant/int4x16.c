@@ -38,6 +38,13 @@
    [K / 32][64] holds a group's 32 hi digits then its 32 lo digits; sc [G] = s, sum [G] =
    s * sum(v); dsum [G][2] = the sums of its hi and of its lo digits (int8 weights read as
    unsigned, q + 128, take 128 times them back off). */
+#ifndef __AVX512F__
+static inline int x16_hsum_epi32(__m256i s4) {
+  __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+  s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xb1)));
+}
+#endif
 static void x16_quantize_row(int K, const float* x, int8_t* xq, float* sc, float* sum, int32_t* dsum) {
   for (int g = 0; g < K / 32; g++) {
     const float* xg = x + g * 32;
@@ -47,15 +54,16 @@ static void x16_quantize_row(int K, const float* x, int8_t* xq, float* sc, float
     float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
     __m512 inv = _mm512_set1_ps(amax > X16_TINY ? X16_GRID / amax : 0.0f);
     __m512i v[2] = {_mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), _mm512_cvtps_epi32(_mm512_mul_ps(b, inv))};
+    __m512i hs = _mm512_setzero_si512();
     for (int h = 0; h < 2; h++) {
       __m512i hi = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_cvtepi32_ps(v[h]), _mm512_set1_ps(254.0f)));
       __m512i lo = _mm512_sub_epi32(v[h], _mm512_mullo_epi32(hi, _mm512_set1_epi32(254)));
       _mm_storeu_si128((__m128i*)(out + 16 * h), _mm512_cvtsepi32_epi8(hi));
       _mm_storeu_si128((__m128i*)(out + 32 + 16 * h), _mm512_cvtsepi32_epi8(lo));
+      hs = _mm512_add_epi32(hs, hi);
     }
     const int isum = _mm512_reduce_add_epi32(_mm512_add_epi32(v[0], v[1]));
-    int shi = 0, slo = 0;
-    for (int i = 0; i < 32; i++) shi += out[i], slo += out[32 + i];
+    const int shi = _mm512_reduce_add_epi32(hs);
 #else
     __m256 f[4], mx = _mm256_setzero_ps();
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -67,12 +75,13 @@ static void x16_quantize_row(int K, const float* x, int8_t* xq, float* sc, float
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
     __m256 inv = _mm256_set1_ps(amax > X16_TINY ? X16_GRID / amax : 0.0f);
-    __m256i v[4], hi[4], lo[4], s4 = _mm256_setzero_si256();
+    __m256i v[4], hi[4], lo[4], s4 = _mm256_setzero_si256(), hs = _mm256_setzero_si256();
     for (int i = 0; i < 4; i++) {
       v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(f[i], inv));
       hi[i] = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_cvtepi32_ps(v[i]), _mm256_set1_ps(254.0f)));
       lo[i] = _mm256_sub_epi32(v[i], _mm256_mullo_epi32(hi[i], _mm256_set1_epi32(254)));
       s4 = _mm256_add_epi32(s4, v[i]);
+      hs = _mm256_add_epi32(hs, hi[i]);
     }
     /* packs work within 128-bit halves: the permute puts the 8 dwords back in order */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -81,15 +90,11 @@ static void x16_quantize_row(int K, const float* x, int8_t* xq, float* sc, float
       __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(t[h][0], t[h][1]), _mm256_packs_epi32(t[h][2], t[h][3]));
       _mm256_storeu_si256((__m256i*)(out + 32 * h), _mm256_permutevar8x32_epi32(p, order));
     }
-    __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
-    s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0x4e));
-    const int isum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xb1)));
-    int shi = 0, slo = 0;
-    for (int i = 0; i < 32; i++) shi += out[i], slo += out[32 + i];
+    const int isum = x16_hsum_epi32(s4), shi = x16_hsum_epi32(hs);
 #endif
     sc[g] = amax / X16_GRID;
     sum[g] = sc[g] * (float)isum;
-    dsum[2 * g] = shi, dsum[2 * g + 1] = slo;
+    dsum[2 * g] = shi, dsum[2 * g + 1] = isum - 254 * shi;  /* v = 254 hi + lo, summed */
   }
 }
 

@@ -109,13 +109,17 @@ def _dot_options(dtype: torch.dtype) -> tuple[str, bool]:
     return ("ieee" if dtype == torch.float32 or dot_f32 else "tf32"), dot_f32
 
 
+def _fields(g) -> tuple:
+    """q, d, m for the kernels: int8 has no m, which its kernel never reads (d stands in)."""
+    return g.q, g.d, (g.m if g.m is not None else g.d)
+
+
 def dequantize(g, dtype: torch.dtype) -> torch.Tensor:
     """The whole weight widened to `dtype` on its device (one pass of `_dequant_kernel`)."""
     rows, cols = g.shape
     w = torch.empty(rows, cols, dtype=dtype, device=g.q.device)
-    m = g.m if g.m is not None else g.d  # unread by the int8 kernel; any pointer will do
     _dequant_kernel[(triton.cdiv(rows, BLOCK_N), cols // GROUP)](
-        g.q, g.d, m, w, rows, cols, INT4=g.m is not None, BLOCK_N=BLOCK_N)
+        *_fields(g), w, rows, cols, INT4=g.m is not None, BLOCK_N=BLOCK_N)
     return w
 
 
@@ -130,9 +134,8 @@ def groups_linear(x: torch.Tensor, g, bias: Optional[torch.Tensor] = None) -> to
         return F.linear(x, dequantize(g, x.dtype), bias)
     y = torch.empty(n, rows, dtype=x.dtype, device=x.device)
     precision, dot_f32 = _dot_options(x.dtype)
-    m = g.m if g.m is not None else g.d
     _mm_kernel[(triton.cdiv(n, BLOCK_M), triton.cdiv(rows, BLOCK_N))](
-        x2, g.q, g.d, m, y, n, rows, cols, x2.stride(0), y.stride(0),
+        x2, *_fields(g), y, n, rows, cols, x2.stride(0), y.stride(0),
         INT4=g.m is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PRECISION=precision, DOT_F32=dot_f32)
     if bias is not None:
         y += bias.to(y.dtype)
