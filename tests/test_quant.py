@@ -189,6 +189,21 @@ def test_float32_weights_go_through_f32_mm_at_1_to_16_rows_and_gemm_past_that_wi
     assert len(calls) == 16
 
 
+def test_f32_mm_rounds_each_of_up_to_6_rows_as_it_rounds_one_row_alone():
+    """A float32 verify of up to 5 drafts (6 rows) must round each row as the one-row
+    step does, so that speculation cannot move a greedy token by rounding: groups.c
+    multiplies 1-6 rows in one order (STREAM_ROWS). 7+ rows take another order, within
+    float rounding of the product (the test above)."""
+    from ferroxmp.gpu_worker.quant.packed import f32_mm
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(99, 320, generator=g)
+    x = torch.randn(6, 320, generator=g) * torch.logspace(-3, 3, 6)[:, None]
+    alone = torch.cat([f32_mm(x[i:i + 1].contiguous(), w) for i in range(6)])
+    for rows in range(2, 7):
+        for start in range(0, 7 - rows):
+            assert torch.equal(f32_mm(x[start:start + rows].contiguous(), w), alone[start:start + rows]), (rows, start)
+
+
 @pytest.mark.parametrize("march", ["haswell", "skylake-avx512"])
 def test_the_avx2_build_of_the_kernels_computes_what_the_native_one_does(tmp_path, march):
     """On an AVX-512 VNNI machine the native build runs neither the AVX2 code (haswell)

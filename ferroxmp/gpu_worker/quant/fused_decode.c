@@ -18,7 +18,7 @@
    run in another order than torch's, so results agree within float rounding, not to the
    bit (tests/test_fused_decode.py bounds the difference and compares greedy tokens). A
    row's sums do not depend on the other rows of the step (the kernels' blocks), except
-   that float32 takes another order for a step of exactly one row (f32_row).
+   that float32 takes another order for a step of more than 6 rows (groups.c's STREAM_ROWS).
 
    KV: row r's K/V go to the pool (layout "hnd": [layers][kv_heads][slots][head_dim];
    float32, or float16 under --kv-cache-dtype float16: store_kv) at `slot[r]`, and

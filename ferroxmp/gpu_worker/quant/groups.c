@@ -6,8 +6,8 @@
    weights have their own layout and kernel (int4x16.c), included after this file.
 
    y[M, N] = x[M, K] @ W^T, K a multiple of 32: each output a dot product in float32
-   lanes. The order of the sum depends on K and on the path (one activation row, or
-   several), never on the values of the other rows. Built with the machine's compiler at
+   lanes. The order of the sum depends on K and on the path (up to STREAM_ROWS
+   activation rows, or more), never on the values of the other rows. Built with the machine's compiler at
    first use (native.py). */
 #include <stdint.h>
 #include <immintrin.h>
@@ -108,23 +108,37 @@ static inline __attribute__((always_inline)) void rows_times(int n, int M, int N
   }
 }
 
-/* One activation row: each weight row read front to back into two accumulators, one
-   stream per thread. The blocks' four interleaved rows read 0.8x as fast at batch 1
-   (SmolLM2's matrices, docs/BENCHMARKS.md 23): the hardware prefetchers follow one
-   stream better than four short ones (a row is 2-6 KB). */
-static inline float f32_row(int K, const float* x, const float* w) {
-  VEC a0 = VZERO, a1 = VZERO;
+/* Up to STREAM_ROWS activation rows: each weight row read front to back once, into two
+   accumulators per activation row, the rows of a thread's share one stream through
+   memory. The hardware prefetchers follow one stream best (a row is 2-6 KB): the blocks'
+   four interleaved rows read 0.8x as fast at one row (SmolLM2's matrices,
+   docs/BENCHMARKS.md 23), and at 2-6 rows this is 1.03-1.3x faster than them, past that
+   their reuse of each activation load wins (section 26). A row's sum takes the same
+   order here whatever the step's row count (1 .. STREAM_ROWS): a speculative verify of up
+   to 5 tokens rounds as one-token steps do. */
+#define STREAM_ROWS 6
+static inline __attribute__((always_inline)) void stream_row(int K, const float* x, int mb, const float* w,
+    float* y, int N) {
+  VEC a0[STREAM_ROWS], a1[STREAM_ROWS];
+  for (int i = 0; i < mb; i++) a0[i] = a1[i] = VZERO;
   for (int k = 0; k < K; k += 2 * LANES) {  /* K: a multiple of 32 = 2 vectors at least */
-    a0 = VFMA(VLOAD(w + k), VLOAD(x + k), a0);
-    a1 = VFMA(VLOAD(w + k + LANES), VLOAD(x + k + LANES), a1);
+    VEC w0 = VLOAD(w + k), w1 = VLOAD(w + k + LANES);
+    for (int i = 0; i < mb; i++) {
+      a0[i] = VFMA(w0, VLOAD(x + (int64_t)i * K + k), a0[i]);
+      a1[i] = VFMA(w1, VLOAD(x + (int64_t)i * K + k + LANES), a1[i]);
+    }
   }
-  return hsum(VADD(a0, a1));
+  for (int i = 0; i < mb; i++) y[(int64_t)i * N] = hsum(VADD(a0[i], a1[i]));
 }
 
 void f32_mm(int M, int N, int K, const float* x, const float* w, float* y) {
-  if (M == 1) {
+  if (M <= STREAM_ROWS) {
     #pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) y[n] = f32_row(K, x, w + (int64_t)n * K);
+    for (int n = 0; n < N; n++) {
+#define ROWS(c) case c: stream_row(K, x, c, w + (int64_t)n * K, y + n, N); break;
+      switch (M) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) }
+#undef ROWS
+    }
     return;
   }
   #pragma omp parallel for schedule(static)
