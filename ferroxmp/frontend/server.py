@@ -48,7 +48,7 @@ from ferroxmp.frontend.bridge import Bridge
 from ferroxmp.frontend.metrics import Metrics
 from ferroxmp.frontend.state import FrontendState
 from ferroxmp.frontend.text.tokenizer import TextCodec
-from ferroxmp.heap import release_freed_memory
+from ferroxmp.heap import release_freed_memory, settle_after_start
 from ferroxmp.liveness import Heartbeat, remove_if_orphaned
 
 log = logging.getLogger("ferroxmp.frontend")
@@ -148,7 +148,7 @@ def run_frontend(args: dict, run_dir: str, worker_info: dict, pids: dict) -> int
              args.get("host"), port, threads, connections)
     _send_ready(run_dir, port)
 
-    release_freed_memory()  # the tokenizer's build and the app's setup
+    settle_after_start()  # the tokenizer's build and the app's setup
     code = 0
     last_busy: Optional[float] = None  # when a request was last seen in flight (None: trimmed since)
     try:

@@ -45,6 +45,7 @@ import zmq  # noqa: E402
 
 from ferroxmp import protocol
 from ferroxmp.config import ServerArgs, setup_logging, watch_parent
+from ferroxmp.heap import settle_after_start
 from ferroxmp.liveness import Heartbeat, remove_if_orphaned
 from ferroxmp.wakeup import drain, wake_on_signals
 from ferroxmp.gpu_worker import faults
@@ -137,6 +138,7 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
         # Compiles run on their own threads (sampling/grammar_prep.py), never in this loop; with
         # --tp only this rank samples, so only it compiles.
         prep = GrammarPrep(ctx, ends["worker_results"], lambda: runner.grammars, runner.faults)
+        settle_after_start()
         return _serve(runner, pull, results, parent_alive, heart, leader, prep, tiers)
     finally:
         if leader is not None:

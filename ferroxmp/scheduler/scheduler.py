@@ -18,7 +18,7 @@ import time
 import zmq
 
 from ferroxmp.config import setup_logging, watch_parent
-from ferroxmp.heap import release_freed_memory
+from ferroxmp.heap import release_freed_memory, settle_after_start
 from ferroxmp.liveness import Heartbeat
 from ferroxmp.wakeup import drain, wake_on_signals
 from ferroxmp.protocol import (AbortReq, BatchResult, FlushCache, GenerateReq, GrammarReady, KVLoaded, KVTierReport,
@@ -55,6 +55,7 @@ def run_scheduler(args: dict, run_dir: str, pool_name: str, worker_info: dict) -
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     wake = wake_on_signals(poller)  # SIGTERM ends the poll at once, not at its timeout
     to_supervisor.send(encode(Ready("scheduler", os.getpid(), {})))
+    settle_after_start()
     log.info("scheduler ready: %d pages of %d tokens, max %d rows, overlap %s, radix %s",
              pool.num_pages, core.cfg.page_size, pool.max_rows, max_inflight == 2, core.cfg.radix)
     last_beat = 0.0
