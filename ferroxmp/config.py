@@ -77,8 +77,10 @@ class ServerArgs:
                                     "flight (as --disable-overlap).")
     draft_quantization: str = _f("auto", "--quantization for the --draft-model's weights (the same modes, the "
                                  "same auto rule).", ["auto", "none", "fp16", "int8", "int4"])
-    num_speculative_tokens: int = _f(4, "Most tokens drafted per row and step with --speculative-ngram or "
-                                     "--draft-model.")
+    num_speculative_tokens: int = _f(8, "Most tokens drafted per row and step with --speculative-ngram or "
+                                     "--draft-model. On CPU a step verifies at most 16 tokens (its decode rows "
+                                     "and their drafts, shared evenly): past that each token costs what a "
+                                     "decoded one does, so a batch of 16 rows drafts nothing.")
     disable_cuda_graph: bool = _f(False, "On CUDA, run decode steps eagerly instead of replaying CUDA graphs "
                                   "captured per padded batch size (CPU never uses graphs).")
     disable_fused_decode: bool = _f(False, "On CPU, run decode steps as torch ops only: a step of 1-16 decoding "

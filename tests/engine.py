@@ -177,11 +177,13 @@ class StubEngine:
     `7 + row` (never an EOS: the config has none), or with what `answer` returns."""
 
     def __init__(self, num_pages: int = 256, page_size: int = 4, max_batch_tokens: int = 64,
-                 max_rows: int = 8, max_model_len: int = 512, radix: bool = True, aging_s: float = 5.0):
+                 max_rows: int = 8, max_model_len: int = 512, radix: bool = True, aging_s: float = 5.0,
+                 spec_tokens: int = 0, spec_step_tokens: Optional[int] = None):
         self.pool = PagePool.create(num_pages, max_rows, -(-max_model_len // page_size))
         self.core = SchedulerCore(self.pool, SchedulerConfig(
             page_size=page_size, max_batch_tokens=max_batch_tokens, max_model_len=max_model_len,
-            vocab_size=1000, radix=radix, aging_s=aging_s))
+            vocab_size=1000, radix=radix, aging_s=aging_s, spec_tokens=spec_tokens,
+            spec_step_tokens=spec_step_tokens))
         self.queue: deque[ForwardBatch] = deque()
         self.outs: dict[str, list] = {}  # rid -> every RowOut it got
         self._n = 0

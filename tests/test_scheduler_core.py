@@ -432,3 +432,20 @@ def test_planning_is_pure_and_the_plan_is_what_commit_applies(stub):
             eng.report(eng.answer(eng.queue[0]))
     assert core.idle, "the load did not drain"
     assert seen["retract"] and seen["admit"] >= 10 and seen["grow"], seen
+
+
+@pytest.mark.parametrize("rows,cap,want", [(1, 16, 8), (2, 16, 7), (4, 16, 3), (8, 16, 1), (9, 16, 0),
+                                           (16, 16, 0), (16, None, 8)])
+def test_drafts_share_the_workers_step_cap_evenly(stub, rows, cap, want):
+    """--num-speculative-tokens 8: each decode row may draft up to 8, but where the worker
+    caps a step's verified tokens (CPU: 16, past which a draft costs what a decoded token
+    does) the rows share what the cap leaves above their own token: 16 rows draft
+    nothing there; without a cap every row keeps its 8."""
+    eng = stub(num_pages=512, max_rows=16, spec_tokens=8, spec_step_tokens=cap)
+    rids = [eng.submit([1, 2, 3, 10 + i], 40) for i in range(rows)]
+    while any(eng.request(r).state is not State.DECODING for r in rids):
+        assert eng.step()
+    batch = eng.build()
+    assert sorted(s.row for s in batch.steps) == sorted(eng.request(r).cache.row for r in rids)
+    assert batch.spec == ({eng.request(r).cache.row: want for r in rids} if want else {}), batch.spec
+    eng.core.check_integrity()

@@ -21,7 +21,9 @@ def test_propose_continues_the_latest_longest_match():
     assert propose([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]  # the latest of two matches
     assert propose([5, 6, 4, 1, 2, 7, 7, 6, 2, 1, 2], 3) == [7, 7, 6]  # 2-gram "1 2" (no 3-gram matches)
     assert propose([4, 1, 2, 3], 4) == []  # nothing earlier matches its last 2 tokens
-    assert propose([1, 2, 3, 1, 2], 8) == [3, 1, 2]  # up to k, running into the tail itself
+    assert propose([1, 2, 3, 1, 2], 8) == [3, 1, 2, 3, 1, 2, 3, 1]  # the period-3 cycle, on to k
+    assert propose([7, 5, 5, 5], 4) == [5, 5, 5, 5]  # a one-token loop: k of it, not one
+    assert propose([9, 1, 2, 3, 4, 1, 2], 2) == [3, 4]  # a cycle longer than k: its next k
     assert propose([1, 2], 4) == []
 
 

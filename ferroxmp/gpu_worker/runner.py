@@ -153,6 +153,16 @@ class ModelRunner:
         log.info("memory: %s", describe_bytes(self.model.weight_bytes(), self.kv.nbytes, self._shape.cache_dtype_name))
         return self
 
+    @property
+    def spec_step_tokens(self) -> Optional[int]:
+        """Most tokens (decode rows and their drafts) a step should verify, for the
+        scheduler's draft budget: on CPU the matmul kernels take up to FUSED_ROWS rows in
+        one pass over each weight, a step of few rows costing mostly its weight reads (a
+        5-token int4 verify ~2.2x one token, docs/BENCHMARKS.md 25); past that a token's
+        compute is what a step costs and a draft pays only when accepted. None on CUDA
+        (not measured there)."""
+        return FUSED_ROWS if self.device.type == "cpu" else None
+
     def idle(self) -> None:
         """The worker had no batch for a poll interval: the backends give back what they
         keep between steps only for speed (the CPU decode mirror), and the heap's freed

@@ -221,13 +221,19 @@ class SchedulerCore:
         held for them. Only rows whose draw depends on nothing but the logits, seed and
         position (no grammar, bias, min_tokens, penalties; no logprobs); never past
         max_tokens; and drafting takes only free pages: it never evicts a cached prefix
-        or retracts a row."""
-        out, ps = {}, self.cfg.page_size
+        or retracts a row. Where the worker caps a step's verified tokens (CPU: a step of
+        more tokens is compute-bound, each draft costing what a decoded token does), the
+        rows share what the cap leaves above one token each: of a cap of 16, 1 row drafts up
+        to 15, 4 rows 3 each, 8 rows 1, 9 or more none."""
+        out, ps, cap = {}, self.cfg.page_size, self.cfg.spec_step_tokens
+        share = self.cfg.spec_tokens if cap is None else min(self.cfg.spec_tokens, (cap - len(decode)) // len(decode))
+        if share <= 0:
+            return out
         for req, start in zip(decode, starts):
             p = req.params
             if not p.may_draft:
                 continue
-            k = min(self.cfg.spec_tokens, p.max_tokens - req.n_output - 1)
+            k = min(share, p.max_tokens - req.n_output - 1)
             have = len(req.cache.pages) * ps
             if k > 0 and start + 1 + k > have and not (
                     pages_for(start + 1 + k, ps) - len(req.cache.pages) <= self.pool.free_count

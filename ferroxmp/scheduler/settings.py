@@ -29,6 +29,7 @@ class SchedulerConfig:
     kv_host: bool = False  # a host-memory tier below the pool (--kv-host-gb)
     kv_disk: bool = False  # a disk tier (--kv-cache-dir)
     spec_tokens: int = 0  # --speculative-ngram or --draft-model: most draft tokens per row and step (0: off)
+    spec_step_tokens: Optional[int] = None  # the worker's: most tokens a step verifies (rows + drafts); None: no cap
 
     @classmethod
     def from_launch(cls, args: dict, worker_info: dict) -> "SchedulerConfig":
@@ -41,7 +42,8 @@ class SchedulerConfig:
                    max_step_seconds=args.get("max_step_seconds", 0.0),
                    max_grammar_compile_seconds=args.get("max_grammar_compile_seconds", 5.0),
                    kv_host=bool(args.get("kv_host_gb")), kv_disk=bool(args.get("kv_cache_dir")),
-                   spec_tokens=ServerArgs.from_dict(args).spec_tokens)
+                   spec_tokens=ServerArgs.from_dict(args).spec_tokens,
+                   spec_step_tokens=worker_info.get("spec_step_tokens"))
 
     def refusal(self, p: SamplingParams, n: int, num_pages: int) -> Optional[str]:
         """Why a request of n prompt tokens can never run here (400), or None."""

@@ -4,7 +4,11 @@ Job: `propose(tokens, k)` finds the latest earlier occurrence of the row's last 
 (n = MAX_N down to MIN_N) in its own prompt and output, and proposes the (up to) k tokens
 that followed it. Outputs that copy their input (a rewrite, a code edit, an answer
 quoting its context) are continued from the input; elsewhere nothing matches and the
-row decodes as usual. The runner verifies a draft in the row's next step: one pass over
+row decodes as usual. A match less than k tokens back means the text repeats with that
+period (a list's pattern, a model's loop: "take take take", "of two very different of
+two very different"): the draft goes on around the cycle to k tokens, where the tokens
+that followed the match alone would stop at the row's end (one token a step for a
+one-token loop). The runner verifies a draft in the row's next step: one pass over
 the weights for k + 1 positions instead of one.
 
 `Backoff` keeps a row that keeps having its drafts rejected from paying for them: after
@@ -34,7 +38,7 @@ def propose(tokens, k: int) -> list[int]:
         found = np.flatnonzero(hit)
         if len(found):
             start = int(found[-1]) + n
-            return a[start:start + k].tolist()
+            return np.resize(a[start:start + k], k).tolist()  # resize repeats a short cycle
     return []
 
 
