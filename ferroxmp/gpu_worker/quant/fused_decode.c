@@ -247,6 +247,25 @@ static inline const float* kv_row(const Model* M, const void* pool, int64_t at, 
   return tmp;
 }
 
+/* Element offset of the page that holds position t0 (a multiple of page_size) of a KV
+   head in `pool`, for a walk over n positions; it prefetches the walk's page ATT_AHEAD
+   on (all of them from the first). A row's pages lie anywhere in the pool and the
+   hardware prefetchers start cold at each one; with a step's weights streamed through
+   the caches in between, the K/V came from DRAM a page at a time, latency-bound
+   (tools/bench_attention.py, float16 K/V, 30 layers: one row at 1,000 positions 8.0-9.6
+   -> 5.2-5.7 ms, 16 rows at 400 23.7-27.8 -> 15.7-18.7 ms; docs/BENCHMARKS.md 26). Into
+   L2: into L1 it cost float32's 16 rows 5-10%. */
+#define ATT_AHEAD 2
+static inline int64_t page_walk(const Model* M, const void* pool, int64_t head, const int64_t* pg, int t0, int n) {
+  const int ps = M->page_size, D = M->head_dim, page = t0 / ps, last = (n - 1) / ps;
+  const int64_t bytes = (int64_t)ps * D * (M->kv_f16 ? 2 : 4);
+  for (int i = t0 ? page + ATT_AHEAD : page + 1; i <= page + ATT_AHEAD && i <= last; i++) {
+    const char* a = (const char*)pool + (head + pg[i] * ps * D) * (M->kv_f16 ? 2 : 4);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(a + b, _MM_HINT_T1);
+  }
+  return head + pg[page] * ps * D;
+}
+
 typedef struct { int nq; float* p[ATT_MAXQ]; const float* q[ATT_MAXQ]; float* o[ATT_MAXQ]; int n[ATT_MAXQ]; } Queries;
 
 /* o_i = sum_t p_i[t] V[t] / inv_i for queries i0 .. i0 + GQ of Q (fewer at the end), HV
@@ -259,7 +278,7 @@ static inline __attribute__((always_inline)) void att_pv(int HV, int GQ, const M
   int nmax = 0;
   for (int g = 0; g < g_n; g++) nmax = Q->n[i0 + g] > nmax ? Q->n[i0 + g] : nmax;
   for (int t0 = 0; t0 < nmax; t0 += ps) {
-    const int64_t at = head + pg[t0 / ps] * ps * D;
+    const int64_t at = page_walk(M, M->pool_v, head, pg, t0, nmax);
     for (int t = t0; t < nmax && t < t0 + ps; t++) {
       const int64_t vat = at + (int64_t)(t - t0) * D;
       VEC vv[8];
@@ -291,7 +310,7 @@ static void att_scores_lanes(const Model* M, const Queries* Q, int64_t head, con
   }
   float lane[LANES];
   for (int t0 = 0; t0 < nmax; t0 += ps) {
-    const int64_t at = head + pg[t0 / ps] * ps * D;
+    const int64_t at = page_walk(M, M->pool_k, head, pg, t0, nmax);
     for (int t = t0; t < nmax && t < t0 + ps; t++) {
       const float* k = kv_row(M, M->pool_k, at + (int64_t)(t - t0) * D, D, tmp);
       for (int b = 0; b < nqp; b += LANES) {
@@ -324,7 +343,7 @@ static void att_item(const Model* M, int l, int j, const Queries* Q, const int64
   } else {
     for (int i = 0; i < Q->nq; i++)
       for (int t0 = 0; t0 < Q->n[i]; t0 += ps) {
-        const int64_t at = head + pg[t0 / ps] * ps * D;
+        const int64_t at = page_walk(M, M->pool_k, head, pg, t0, Q->n[i]);
         for (int t = t0; t < Q->n[i] && t < t0 + ps; t++)
           Q->p[i][t] = dot_kv(M, Q->q[i], M->pool_k, at + (int64_t)(t - t0) * D, D) * scale;
       }
@@ -347,7 +366,7 @@ static void att_item(const Model* M, int l, int j, const Queries* Q, const int64
   for (int i = 0; i < Q->nq; i++) {  /* another head size: the output in memory */
     for (int d = 0; d < D; d++) Q->o[i][d] = 0;
     for (int t0 = 0; t0 < Q->n[i]; t0 += ps) {
-      const int64_t at = head + pg[t0 / ps] * ps * D;
+      const int64_t at = page_walk(M, M->pool_v, head, pg, t0, Q->n[i]);
       for (int t = t0; t < Q->n[i] && t < t0 + ps; t++)
         axpy_kv(M, Q->o[i], Q->p[i][t] * inv[i], M->pool_v, at + (int64_t)(t - t0) * D, D);
     }
