@@ -190,10 +190,10 @@ def test_float32_weights_go_through_f32_mm_at_1_to_16_rows_and_gemm_past_that_wi
 
 
 def test_f32_mm_rounds_each_of_up_to_6_rows_as_it_rounds_one_row_alone():
-    """A float32 verify of up to 5 drafts (6 rows) must round each row as the one-row
-    step does, so that speculation cannot move a greedy token by rounding: groups.c
-    multiplies 1-6 rows in one order (STREAM_ROWS). 7+ rows take another order, within
-    float rounding of the product (the test above)."""
+    """A float32 verify of up to 5 drafts (6 rows) rounds each row as the one-row step
+    does, so such a verify cannot move a greedy token by rounding: groups.c multiplies
+    1-6 rows in one order (STREAM_ROWS). 7+ rows (a longer draft) take another order,
+    within float rounding of the product (the test above)."""
     from ferroxmp.gpu_worker.quant.packed import f32_mm
     g = torch.Generator().manual_seed(5)
     w = torch.randn(99, 320, generator=g)

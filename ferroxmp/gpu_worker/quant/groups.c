@@ -115,7 +115,7 @@ static inline __attribute__((always_inline)) void rows_times(int n, int M, int N
    docs/BENCHMARKS.md 23), and at 2-6 rows this is 1.03-1.3x faster than them, past that
    their reuse of each activation load wins (section 26). A row's sum takes the same
    order here whatever the step's row count (1 .. STREAM_ROWS): a speculative verify of up
-   to 5 tokens rounds as one-token steps do. */
+   to 5 drafts rounds as one-token steps do (a longer one within float rounding). */
 #define STREAM_ROWS 6
 static inline __attribute__((always_inline)) void stream_row(int K, const float* x, int mb, const float* w,
     float* y, int N) {
