@@ -80,7 +80,7 @@ class ServerArgs:
     num_speculative_tokens: int = _f(8, "Most tokens drafted per row and step with --speculative-ngram or "
                                      "--draft-model. On CPU a step verifies at most 16 tokens (its decode rows "
                                      "and their drafts, shared evenly): past that each token costs what a "
-                                     "decoded one does, so a batch of 16 rows drafts nothing.")
+                                     "decoded one does, so a step of 9 or more decode rows drafts nothing.")
     disable_cuda_graph: bool = _f(False, "On CUDA, run decode steps eagerly instead of replaying CUDA graphs "
                                   "captured per padded batch size (CPU never uses graphs).")
     disable_fused_decode: bool = _f(False, "On CPU, run decode steps as torch ops only: a step of 1-16 decoding "
