@@ -41,38 +41,63 @@ class ServerProcess:
     def __init__(self, model: Optional[str], *flags: str, ready_timeout: float = 180.0,
                  cmd: Optional[list[str]] = None, cwd: Optional[str] = None,
                  port: Optional[int] = None, env: Optional[dict] = None) -> None:
-        self.port = port or free_port()
         self.tmp = tempfile.mkdtemp(prefix="fxmp-test-")
         env = dict(os.environ, TMPDIR=self.tmp, FERROXMP_CACHE=os.path.join(self.tmp, "cache"), **(env or {}))
         model_flags = ["--model", model] if model else []
         base = cmd or [sys.executable, "-m", "ferroxmp.cli", "serve"]
         self.log_path = os.path.join(self.tmp, "server.log")
-        self._log = open(self.log_path, "w")
-        port_flags = [] if port else ["--port", str(self.port)]  # an explicit port: the default
-        self.proc = subprocess.Popen(base + model_flags + port_flags + list(flags),
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-        self.url = f"http://127.0.0.1:{self.port}"
         self.headers = _auth_headers(list(flags))  # /server_info needs the key when one is set
-        self.info: dict = {}
-        try:
-            self._wait_ready(ready_timeout)
-        except BaseException:
+        # free_port's port is free when asked, not when the server binds it: another test's
+        # server (or router) can take it between. Then another process answers on it (seen:
+        # a router's 502s); try again on a new port, twice at most.
+        for attempt in range(3):
+            self.port = port or free_port()
+            self._log = open(self.log_path, "a")
+            port_flags = [] if port else ["--port", str(self.port)]  # an explicit port: the default
+            self.proc = subprocess.Popen(base + model_flags + port_flags + list(flags),
+                                         stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.info: dict = {}
+            try:
+                if self._wait_ready(ready_timeout):
+                    return
+                if port or attempt == 2:
+                    raise RuntimeError(f"another server answers on port {self.port}:\n{self.log()}")
+            except BaseException:
+                self.stop()
+                raise
             self.stop()
-            raise
 
-    def _wait_ready(self, timeout: float) -> None:
+    def _wait_ready(self, timeout: float) -> bool:
+        """Wait until the port answers; True if it is this server that answers (its
+        supervisor is self.proc or one of its descendants), False if another does."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    self.info = requests.get(self.url + "/server_info", headers=self.headers, timeout=5).json()
-                    return
-            except requests.RequestException:
+                    info = requests.get(self.url + "/server_info", headers=self.headers, timeout=5).json()
+                    if not self._descends(info.get("processes", {}).get("supervisor")):
+                        return False
+                    self.info = info
+                    return True
+            except (requests.RequestException, ValueError):
                 pass
             time.sleep(0.05)  # every test waits here for its server: poll often
         raise TimeoutError(f"server not healthy within {timeout}s:\n{self.log()}")
+
+    def _descends(self, pid: Optional[int]) -> bool:
+        """pid is self.proc's or a descendant's (a wrapper script may run the supervisor)."""
+        while pid and pid > 1:
+            if pid == self.proc.pid:
+                return True
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    pid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                return False
+        return False
 
     @property
     def pids(self) -> dict[str, int]:
