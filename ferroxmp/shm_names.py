@@ -22,8 +22,6 @@ import os
 import secrets
 from typing import Optional
 
-from ferroxmp.page_pool import remove_segment
-
 PREFIX = "fxmp_"
 SHM_DIR = "/dev/shm"
 log = logging.getLogger("ferroxmp.supervisor")
@@ -68,6 +66,7 @@ def owner_alive(pid: int, start: Optional[int]) -> bool:
 
 def remove_dead_segments() -> list[str]:
     """Unlink this user's ferroxmp segments whose owner is gone; returns their names."""
+    from ferroxmp.page_pool import remove_segment  # numpy with it: `ferroxmp serve` runs this in a child
     removed = []
     for path in sorted(glob.glob(os.path.join(SHM_DIR, PREFIX + "*"))):
         name = os.path.basename(path)

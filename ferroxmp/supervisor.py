@@ -40,7 +40,6 @@ import zmq
 from ferroxmp.config import ServerArgs, setup_logging
 from ferroxmp.liveness import Monitor, process_state
 from ferroxmp.protocol import ProtocolError, Ready, Shutdown, decode, encode, endpoints
-from ferroxmp.page_pool import remove_segment
 from ferroxmp.shm_names import remove_dead_segments, segment_name
 
 log = logging.getLogger("ferroxmp.supervisor")
@@ -78,7 +77,6 @@ class Supervisor:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         remove_stale_run_dirs()
-        remove_dead_segments()  # pools of servers killed with -9 (shm_names.py); one log line each
         self.run_dir = tempfile.mkdtemp(prefix=f"ferroxmp-{os.getpid()}-")  # mode 0700
         self.monitor = Monitor(self.run_dir, args.stall_timeout)
         self.pool_name = segment_name()  # fxmp_<pid>_<start time>_<random>: a later serve can tell ours dead
@@ -284,6 +282,7 @@ class Supervisor:
                 proc.wait()
             if proc.returncode not in (0, -signal.SIGTERM):
                 log.info("%s (pid %d) ended with %s", name, proc.pid, proc.returncode)
+        from ferroxmp.page_pool import remove_segment  # numpy: imported at the end, not for the server's life
         remove_segment(self.pool_name)  # a worker killed with -9 could not (page_pool.py)
         self.monitor.close()
         self.ctx.destroy(linger=0)
@@ -303,9 +302,10 @@ def _checked_model(args: ServerArgs) -> list:
 def in_child(fn, *fn_args):
     """fn(*fn_args) in a forked child; its JSON result, or its OSError / ValueError again
     as a ValueError with the same message. Why: checking a checkpoint imports gguf and
-    tokenizers (the demo model: torch) and reads the whole file; in the supervisor that
-    memory would stay resident for the server's life (~27 MB of a 65 MB process), in a
-    child it goes back to the system when the child exits. Call it before any thread or
+    tokenizers (the demo model: torch) and reads the whole file, removing dead servers'
+    segments imports numpy (page_pool.py); in the supervisor that memory would stay
+    resident for the server's life (~27 + 15 MB of a 65 MB process), in a child it goes
+    back to the system when the child exits. Call it before any thread or
     ZMQ context exists (a fork copies only the calling thread)."""
     r, w = os.pipe()
     pid = os.fork()
@@ -344,4 +344,8 @@ def serve(args: ServerArgs) -> int:
     except (OSError, ValueError) as e:
         log.error("cannot serve this model: %s", e)
         return 2
+    try:
+        in_child(remove_dead_segments)  # pools of servers killed with -9 (shm_names.py); one log line each
+    except ValueError as e:
+        log.warning("could not look for segments of dead servers: %s", e)
     return Supervisor(args).run()
