@@ -27,6 +27,7 @@
    mirror is not touched: it serves the eager steps only, which refill it from the pool.
 */
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 #include "groups.c"
@@ -381,14 +382,18 @@ static void att_item(const Model* M, int l, int j, const Queries* Q, const int64
 static void attend(const Model* M, int l, int R, const float* q, int64_t q_stride, float* o,
                    const int64_t* pos, const int64_t* page_at, const int64_t* pages, float* p, int64_t span) {
   const int H = M->heads, D = M->head_dim, G = H / M->kv_heads;
-  /* items: [first row, rows, first query head, heads]. One row alone in the step: one
-     item per query head (enough items for the threads); otherwise the G query heads of
-     a KV head together (they read the same K/V), for one row or for a sequence's rows
-     (in pieces of at most ATT_MAXQ queries: a piece re-reads the keys, and pieces that
-     fit one vector of lanes measured slower than whole sequences on fewer threads). */
+  /* items: [first row, rows, first query head, heads]: the G query heads of a KV head
+     together (they read the same K/V, once), for one row or for a sequence's rows (in
+     pieces of at most ATT_MAXQ queries: a piece re-reads the keys, and pieces that fit
+     one vector of lanes measured slower than whole sequences on fewer threads). One
+     row alone in a step of a model with fewer KV heads than threads: one item per
+     query head, so that every thread has one. (SmolLM2, 3 KV heads on 2 threads: one
+     item per query head read each K/V row 3 times, and a single stream took 4-13%
+     longer a token at 150-900 positions; docs/BENCHMARKS.md 26.) */
   int (*item)[4] = malloc(sizeof(int[4]) * ((size_t)R * H + 1));
   int n_items = 0;
-  const int per_kv = R > 1 && G <= ATT_MAXQ ? G : 1;  /* (G past ATT_MAXQ: one query head an item) */
+  const int grouped = R > 1 || M->kv_heads >= omp_get_max_threads();
+  const int per_kv = grouped && G <= ATT_MAXQ ? G : 1;  /* (G past ATT_MAXQ: one query head an item) */
   for (int r = 0; r < R;) {
     int end = r + 1;
     while (end < R && page_at[end] == page_at[r]) end++;
