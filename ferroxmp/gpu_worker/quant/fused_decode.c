@@ -397,7 +397,13 @@ static void attend(const Model* M, int l, int R, const float* q, int64_t q_strid
   for (int r = 0; r < R;) {
     int end = r + 1;
     while (end < R && page_at[end] == page_at[r]) end++;
-    const int piece = ATT_MAXQ / per_kv;
+    int piece = ATT_MAXQ / per_kv;
+    /* A step that is one sequence alone (a speculative verify) on a model with few KV
+       heads: two pieces, so that both threads have items (3 KV heads on 2 threads were 2:1;
+       copy-text with speculation 1.10-1.16x less time a token in 3 of 6 A/B runs, equal
+       in the others; docs/BENCHMARKS.md 26). */
+    if (r == 0 && end == R && R >= 4 && M->kv_heads < 2 * omp_get_max_threads())
+      piece = piece < (R + 1) / 2 ? piece : (R + 1) / 2;
     while (r < end) {
       const int rows = end - r < piece ? end - r : piece;
       for (int h = 0; h < H; h += per_kv) {
