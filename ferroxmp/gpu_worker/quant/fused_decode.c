@@ -341,13 +341,15 @@ static void att_item(const Model* M, int l, int j, const Queries* Q, const int64
   float* qt = work + D;        /* D * ATT_MAXQ (rounded up to lanes) */
   if (Q->nq >= ATT_LANES_MIN) {
     att_scores_lanes(M, Q, head, pg, scale, qt, tmp);
-  } else {
-    for (int i = 0; i < Q->nq; i++)
-      for (int t0 = 0; t0 < Q->n[i]; t0 += ps) {
-        const int64_t at = page_walk(M, M->pool_k, head, pg, t0, Q->n[i]);
-        for (int t = t0; t < Q->n[i] && t < t0 + ps; t++)
-          Q->p[i][t] = dot_kv(M, Q->q[i], M->pool_k, at + (int64_t)(t - t0) * D, D) * scale;
-      }
+  } else {  /* one walk over the keys, each key for every query while it is in L1 */
+    int nmax = 0;
+    for (int i = 0; i < Q->nq; i++) nmax = Q->n[i] > nmax ? Q->n[i] : nmax;
+    for (int t0 = 0; t0 < nmax; t0 += ps) {
+      const int64_t at = page_walk(M, M->pool_k, head, pg, t0, nmax);
+      for (int t = t0; t < nmax && t < t0 + ps; t++)
+        for (int i = 0; i < Q->nq; i++)
+          if (t < Q->n[i]) Q->p[i][t] = dot_kv(M, Q->q[i], M->pool_k, at + (int64_t)(t - t0) * D, D) * scale;
+    }
   }
   float inv[ATT_MAXQ];
   for (int i = 0; i < Q->nq; i++) {
