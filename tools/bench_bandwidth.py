@@ -1,20 +1,25 @@
 """The machine's read bandwidth, as the bandwidth floor of a decode step uses it: the
 seconds to read N bytes once with every core (torch's sum over a float32 tensor far
-larger than the caches), median of several passes.
+larger than the caches), median of several passes, in 4 KiB pages and again in 2 MiB
+pages (the region ferroxmp's CPU weights live in: gpu_worker/huge_pages.py).
 
     .venv/bin/python tools/bench_bandwidth.py [--gib 1] [--threads N] [--passes 9]
 
 The floor of a batch-1 decode step is (weight bytes read per token) / this figure
-(docs/BENCHMARKS.md 21); nothing but the weights is counted, so it is a lower bound.
+(docs/BENCHMARKS.md 21); nothing but the weights is counted, so it is a lower bound: take the faster of the two
+figures.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main() -> None:
@@ -25,6 +30,13 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     x = torch.ones(int(a.gib * (1 << 30)) // 4)
+    measure(x, "4 KiB pages", a)
+    from ferroxmp.gpu_worker.huge_pages import WeightArena
+    arena = WeightArena([x])  # x now lives in the arena's region
+    measure(x, f"2 MiB pages ({arena.huge_bytes() / 2**20:.0f} of {arena.nbytes / 2**20:.0f} MiB huge)", a)
+
+
+def measure(x: torch.Tensor, pages: str, a) -> None:
     x.sum()  # fault the pages in
     ts = []
     for _ in range(a.passes):
@@ -32,9 +44,8 @@ def main() -> None:
         x.sum()
         ts.append(time.perf_counter() - t)
     s = statistics.median(ts)
-    print(f"read bandwidth: {x.numel() * 4 / s / 1e9:.1f} GB/s ({a.threads} threads, {a.gib} GiB, "
+    print(f"read bandwidth, {pages}: {x.numel() * 4 / s / 1e9:.1f} GB/s ({a.threads} threads, {a.gib} GiB, "
           f"median of {a.passes}: {s * 1e3:.1f} ms)")
-
 
 if __name__ == "__main__":
     main()

@@ -181,6 +181,8 @@ class ModelRunner:
         info = {"quantization": self.quantization, "weight_bytes": sum(weights.values()),
                 "weight_bytes_by_format": weights, "kv_bytes": self.kv.nbytes,
                 "kv_dtype": self._shape.cache_dtype_name, "kv_tokens": self.kv.num_slots}
+        if self.model.weight_arena is not None:  # CPU: how much of the weights the kernel backs with 2 MiB pages
+            info["weight_huge_page_bytes"] = self.model.weight_arena.huge_bytes()
         if self.drafter is not None:
             info["draft"] = self.drafter.memory_info()
         return info

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ferroxmp.gpu_worker.huge_pages import move_weights
 from ferroxmp.gpu_worker.loader import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModel
 from ferroxmp.gpu_worker.models.llama import DecoderLM
 
@@ -15,4 +16,7 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torc
     if cls is None:
         raise UnsupportedModel(f"architecture {cfg.architecture!r} is not supported; "
                                f"ferroxmp runs {', '.join(MODEL_CLASSES)}")
-    return cls(cfg, weights, device)
+    model = cls(cfg, weights, device)
+    # On CPU every step streams the weights: in 2 MiB pages, not 4 KiB ones (huge_pages.py)
+    model.weight_arena = move_weights(model) if device.type == "cpu" else None
+    return model

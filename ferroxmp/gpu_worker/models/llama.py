@@ -90,6 +90,9 @@ class DecoderLM:
         # `glue` - quant/glue.py's native RMSNorm / RoPE / SiLU-mul for an eager step's rows,
         # set by the runner for float32 on CPU; None: torch's ops.
         self.glue = None
+        # `weight_arena` - on CPU, the one region of 2 MiB pages holding every weight (set by
+        # models.build_model after the model is built: huge_pages.py); None elsewhere.
+        self.weight_arena = None
 
         def pack(w):  # a quantized weight in its kernel's layout (quant/packed.py)
             return quant_pack(w, cfg.dtype)
@@ -138,14 +141,18 @@ class DecoderLM:
     def dtype(self) -> torch.dtype:
         return self.cfg.dtype
 
+    def held_weights(self) -> list:
+        """Every weight this model holds, each once (a tied head is the embedding), in the
+        order a step reads them."""
+        held = [self.embed] + [t for L in self.layers for t in (L.in_norm, L.w_qkv, L.b_qkv, L.q_norm, L.k_norm,
+                                                                 L.w_o, L.b_o, L.post_norm, L.w_gate_up, L.w_down)]
+        return list({id(t): t for t in held + [self.norm, self.lm_head] if t is not None}.values())
+
     def weight_bytes(self) -> dict[str, int]:
-        """Resident bytes of every weight this model holds, by format (a tensor shared by
-        the embedding and a tied head counts once; Groups: values + per-group scales)."""
+        """Resident bytes of every weight this model holds, by format (Groups: values +
+        per-group scales)."""
         from ferroxmp.gpu_worker.quant import tensor_bytes
-        held = [self.embed, self.lm_head, self.norm] + [
-            t for L in self.layers for t in (L.in_norm, L.post_norm, L.w_qkv, L.b_qkv, L.w_o, L.b_o,
-                                             L.q_norm, L.k_norm, L.w_gate_up, L.w_down)]
-        return tensor_bytes(list({id(t): t for t in held if t is not None}.values()))
+        return tensor_bytes(self.held_weights())
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.glue is not None:
