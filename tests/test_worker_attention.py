@@ -250,3 +250,53 @@ def test_tokens_sharing_their_pages_each_attend_up_to_their_own_position(kv_dtyp
                 want = w @ v[:, j]
                 assert torch.allclose(out[i, h].double(), want, atol=1e-5), (p, h, (out[i, h] - want).abs().max())
             i += 1
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_long_contexts_in_chunks_match_the_definition_and_do_not_depend_on_the_step(kv_dtype):
+    """PageDecode takes a decoding row's keys 512 positions at a time (fused_decode.c's
+    chunks, joined by their softmax maxima and sums). Oracle: the softmax over all the keys
+    in float64, at positions that end a chunk (511), start one with a single key (512), span
+    several (700, 1500), and a verify of 9 tokens past a chunk's end (505-513); and each
+    row's output alone in a step is bitwise its output beside the others (the chunks
+    depend on the position only, never on the other rows)."""
+    from ferroxmp.gpu_worker.attention.page_decode import PageDecode
+    heads, kv_heads, dim, ps, num_pages = 9, 3, 64, 16, 400
+    g = torch.Generator().manual_seed(7)
+    kv = KVPool(num_pages, ps, 1, kv_heads, dim, kv_dtype, CPU, "hnd")
+    kv.slots_view(0, "k").copy_(torch.randn(num_pages * ps, kv_heads, dim, generator=g))
+    kv.slots_view(0, "v").copy_(torch.randn(num_pages * ps, kv_heads, dim, generator=g))
+    pd = PageDecode.build(kv, None, torch.float32)
+    if pd is None:
+        pytest.skip("no native kernels here")
+    perm = torch.randperm(num_pages, generator=g)
+    seqs = [(perm[0:100], [1500]), (perm[100:140], list(range(505, 514))), (perm[140:190], [700]),
+            (perm[190:230], [511]), (perm[230:270], [512])]
+
+    def run(chosen):
+        positions, page_at, pages = [], [], []
+        for row_pages, pos in chosen:
+            page_at += [len(pages)] * len(pos)
+            positions += pos
+            pages += row_pages.tolist()
+        page_at.append(len(pages))
+        qs = torch.cat([q[(id(row_pages), p)] for row_pages, pos in chosen for p in pos])
+        return pd(0, qs, torch.tensor(positions), torch.tensor(page_at), torch.tensor(pages), max(positions) + 1)
+
+    q = {(id(rp), p): torch.randn(1, heads, dim, generator=g) for rp, pos in seqs for p in pos}
+    out = run(seqs)
+    ks, vs = kv.slots_view(0, "k").double(), kv.slots_view(0, "v").double()
+    i = 0
+    for row_pages, pos in seqs:
+        slots = (row_pages[:, None] * ps + torch.arange(ps)).reshape(-1)
+        for p in pos:
+            k, v = ks[slots[:p + 1]], vs[slots[:p + 1]]
+            for h in range(heads):
+                j = h // (heads // kv_heads)
+                w = torch.softmax(k[:, j] @ q[(id(row_pages), p)][0, h].double() / dim ** 0.5, 0)
+                want = w @ v[:, j]
+                assert torch.allclose(out[i, h].double(), want, atol=1e-5), (p, h, (out[i, h] - want).abs().max())
+            if len(pos) == 1:  # (a verify's queries share an item: its scores take another order)
+                alone = run([(row_pages, [p])])
+                assert torch.equal(alone[0], out[i]), (p, (alone[0] - out[i]).abs().max())
+            i += 1

@@ -257,17 +257,31 @@ static inline const float* kv_row(const Model* M, const void* pool, int64_t at, 
    -> 5.2-5.7 ms, 16 rows at 400 23.7-27.8 -> 15.7-18.7 ms; docs/BENCHMARKS.md 26). Into
    L2: into L1 it cost float32's 16 rows 5-10%. */
 #define ATT_AHEAD 2
-static inline int64_t page_walk(const Model* M, const void* pool, int64_t head, const int64_t* pg, int t0, int n) {
+static inline int64_t page_walk(const Model* M, const void* pool, int64_t head, const int64_t* pg, int t0, int lo,
+                                int n) {
   const int ps = M->page_size, D = M->head_dim, page = t0 / ps, last = (n - 1) / ps;
   const int64_t bytes = (int64_t)ps * D * (M->kv_f16 ? 2 : 4);
-  for (int i = t0 ? page + ATT_AHEAD : page + 1; i <= page + ATT_AHEAD && i <= last; i++) {
+  for (int i = t0 != lo ? page + ATT_AHEAD : page + 1; i <= page + ATT_AHEAD && i <= last; i++) {
     const char* a = (const char*)pool + (head + pg[i] * ps * D) * (M->kv_f16 ? 2 : 4);
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(a + b, _MM_HINT_T1);
   }
   return head + pg[page] * ps * D;
 }
 
-typedef struct { int nq; float* p[ATT_MAXQ]; const float* q[ATT_MAXQ]; float* o[ATT_MAXQ]; int n[ATT_MAXQ]; } Queries;
+/* An item's queries over the keys of one chunk, positions lo .. hi - 1 (query i: up to
+   n[i] - 1); st[i]: where its chunk's softmax max and sum go (NULL: its only chunk, o[i]
+   is the output itself). */
+typedef struct {
+  int nq, lo, hi;
+  float* p[ATT_MAXQ]; const float* q[ATT_MAXQ]; float* o[ATT_MAXQ]; float* st[ATT_MAXQ]; int n[ATT_MAXQ];
+} Queries;
+
+/* The last key + 1 any query of Q reads in its chunk. */
+static inline int q_end(const Queries* Q) {
+  int e = 0;
+  for (int i = 0; i < Q->nq; i++) e = Q->n[i] > e ? Q->n[i] : e;
+  return e < Q->hi ? e : Q->hi;
+}
 
 /* o_i = sum_t p_i[t] V[t] / inv_i for queries i0 .. i0 + GQ of Q (fewer at the end), HV
    vectors a head: both constants at each call, so acc stays in registers. */
@@ -278,8 +292,9 @@ static inline __attribute__((always_inline)) void att_pv(int HV, int GQ, const M
   for (int i = 0; i < GQ * HV; i++) acc[i] = VZERO;
   int nmax = 0;
   for (int g = 0; g < g_n; g++) nmax = Q->n[i0 + g] > nmax ? Q->n[i0 + g] : nmax;
-  for (int t0 = 0; t0 < nmax; t0 += ps) {
-    const int64_t at = page_walk(M, M->pool_v, head, pg, t0, nmax);
+  nmax = nmax < Q->hi ? nmax : Q->hi;
+  for (int t0 = Q->lo; t0 < nmax; t0 += ps) {
+    const int64_t at = page_walk(M, M->pool_v, head, pg, t0, Q->lo, nmax);
     for (int t = t0; t < nmax && t < t0 + ps; t++) {
       const int64_t vat = at + (int64_t)(t - t0) * D;
       VEC vv[8];
@@ -304,14 +319,12 @@ static inline __attribute__((always_inline)) void att_pv(int HV, int GQ, const M
 static void att_scores_lanes(const Model* M, const Queries* Q, int64_t head, const int64_t* pg, float scale,
                              float* qt, float* tmp) {
   const int D = M->head_dim, ps = M->page_size, nqp = (Q->nq + LANES - 1) / LANES * LANES;
-  int nmax = 0;
-  for (int i = 0; i < nqp; i++) {
+  for (int i = 0; i < nqp; i++)
     for (int d = 0; d < D; d++) qt[d * nqp + i] = i < Q->nq ? Q->q[i][d] * scale : 0.0f;
-    if (i < Q->nq && Q->n[i] > nmax) nmax = Q->n[i];
-  }
+  const int nmax = q_end(Q);
   float lane[LANES];
-  for (int t0 = 0; t0 < nmax; t0 += ps) {
-    const int64_t at = page_walk(M, M->pool_k, head, pg, t0, nmax);
+  for (int t0 = Q->lo; t0 < nmax; t0 += ps) {
+    const int64_t at = page_walk(M, M->pool_k, head, pg, t0, Q->lo, nmax);
     for (int t = t0; t < nmax && t < t0 + ps; t++) {
       const float* k = kv_row(M, M->pool_k, at + (int64_t)(t - t0) * D, D, tmp);
       for (int b = 0; b < nqp; b += LANES) {
@@ -342,10 +355,9 @@ static void att_item(const Model* M, int l, int j, const Queries* Q, const int64
   if (Q->nq >= ATT_LANES_MIN) {
     att_scores_lanes(M, Q, head, pg, scale, qt, tmp);
   } else {  /* one walk over the keys, each key for every query while it is in L1 */
-    int nmax = 0;
-    for (int i = 0; i < Q->nq; i++) nmax = Q->n[i] > nmax ? Q->n[i] : nmax;
-    for (int t0 = 0; t0 < nmax; t0 += ps) {
-      const int64_t at = page_walk(M, M->pool_k, head, pg, t0, nmax);
+    const int nmax = q_end(Q);
+    for (int t0 = Q->lo; t0 < nmax; t0 += ps) {
+      const int64_t at = page_walk(M, M->pool_k, head, pg, t0, Q->lo, nmax);
       for (int t = t0; t < nmax && t < t0 + ps; t++)
         for (int i = 0; i < Q->nq; i++)
           if (t < Q->n[i]) Q->p[i][t] = dot_kv(M, Q->q[i], M->pool_k, at + (int64_t)(t - t0) * D, D) * scale;
@@ -353,9 +365,12 @@ static void att_item(const Model* M, int l, int j, const Queries* Q, const int64
   }
   float inv[ATT_MAXQ];
   for (int i = 0; i < Q->nq; i++) {
+    const int e = Q->n[i] < Q->hi ? Q->n[i] : Q->hi;
     float mx = -INFINITY;
-    for (int t = 0; t < Q->n[i]; t++) mx = Q->p[i][t] > mx ? Q->p[i][t] : mx;
-    inv[i] = 1.0f / exp_sum(Q->p[i], Q->n[i], mx);
+    for (int t = Q->lo; t < e; t++) mx = Q->p[i][t] > mx ? Q->p[i][t] : mx;
+    const float sum = exp_sum(Q->p[i] + Q->lo, e - Q->lo, mx);
+    inv[i] = 1.0f / sum;
+    if (Q->st[i]) Q->st[i][0] = mx, Q->st[i][1] = sum;
   }
   const int HV = D / LANES;
   if (D % LANES == 0 && (HV == 2 || HV == 4 || HV == 8) && HV <= ATT_ACC) {
@@ -367,10 +382,11 @@ static void att_item(const Model* M, int l, int j, const Queries* Q, const int64
     return;
   }
   for (int i = 0; i < Q->nq; i++) {  /* another head size: the output in memory */
+    const int e = Q->n[i] < Q->hi ? Q->n[i] : Q->hi;
     for (int d = 0; d < D; d++) Q->o[i][d] = 0;
-    for (int t0 = 0; t0 < Q->n[i]; t0 += ps) {
-      const int64_t at = page_walk(M, M->pool_v, head, pg, t0, Q->n[i]);
-      for (int t = t0; t < Q->n[i] && t < t0 + ps; t++)
+    for (int t0 = Q->lo; t0 < e; t0 += ps) {
+      const int64_t at = page_walk(M, M->pool_v, head, pg, t0, Q->lo, e);
+      for (int t = t0; t < e && t < t0 + ps; t++)
         axpy_kv(M, Q->o[i], Q->p[i][t] * inv[i], M->pool_v, at + (int64_t)(t - t0) * D, D);
     }
   }
@@ -380,11 +396,43 @@ static void att_item(const Model* M, int l, int j, const Queries* Q, const int64
    its KV head's positions 0..pos[r], read from the row's pages in the pool (a page of
    one head: page_size contiguous positions); o [R][H][D]; p [R][H][span] scratch for the
    scores. Rows with the same page_at are one sequence's tokens (each at its own
-   position). Work items in parallel once the contexts make it worth a fork. */
+   position). Work items in parallel once the contexts make it worth a fork.
+
+   Chunks: the keys of an item of fewer than ATT_LANES_MIN queries (a decoding row's
+   query heads of one KV head) are taken ATT_CHUNK positions at a time (whole pages), each
+   chunk its own item with its own softmax, the chunks' outputs joined by their maxima
+   and sums (merge_chunks). Why: a row alone has one item per KV head, and 3 KV heads on
+   2 threads left one thread idle a third of the attention (tools/bench_attention.py, one
+   row at 1,000 positions: 3.5-3.8 -> 3.2 ms; docs/BENCHMARKS.md 27). The chunks are a
+   function of the position only, never of the step's other rows: a decoding row's sums
+   are the same alone or in a batch. A sequence's tokens of 6+ queries an item (a
+   verify) stay whole: they have items enough, and chunking them measured 5-10% slower. */
+#define ATT_CHUNK 512
+
+static inline int chunk_of(const Model* M) {
+  const int ps = M->page_size;
+  return ATT_CHUNK > ps ? ATT_CHUNK / ps * ps : ps;
+}
+
+/* o = the chunks' outputs (each normalized by its own sum) weighted by sum * e^(max - max
+   of all): one softmax over all the keys. */
+static void merge_chunks(int C, int D, const float* co, const float* st, float* o) {
+  float mx = -INFINITY, total = 0.0f;
+  for (int c = 0; c < C; c++) mx = st[2 * c] > mx ? st[2 * c] : mx;
+  for (int d = 0; d < D; d++) o[d] = 0.0f;
+  for (int c = 0; c < C; c++) {
+    const float w = st[2 * c + 1] * expf(st[2 * c] - mx);
+    total += w;
+    for (int d = 0; d < D; d++) o[d] += w * co[(int64_t)c * D + d];
+  }
+  for (int d = 0; d < D; d++) o[d] /= total;
+}
+
 static void attend(const Model* M, int l, int R, const float* q, int64_t q_stride, float* o,
                    const int64_t* pos, const int64_t* page_at, const int64_t* pages, float* p, int64_t span) {
-  const int H = M->heads, D = M->head_dim, G = H / M->kv_heads;
-  /* items: [first row, rows, first query head, heads]: the G query heads of a KV head
+  const int H = M->heads, D = M->head_dim, G = H / M->kv_heads, CH = chunk_of(M);
+  const int C = (int)((span + CH - 1) / CH);  /* chunks of the longest row */
+  /* items: [first row, rows, first query head, heads, chunk]: the G query heads of a KV head
      together (they read the same K/V, once), for one row or for a sequence's rows (in
      pieces of at most ATT_MAXQ queries: a piece re-reads the keys, and pieces that fit
      one vector of lanes measured slower than whole sequences on fewer threads). One
@@ -392,7 +440,8 @@ static void attend(const Model* M, int l, int R, const float* q, int64_t q_strid
      query head, so that every thread has one. (SmolLM2, 3 KV heads on 2 threads: one
      item per query head read each K/V row 3 times, and a single stream took 4-13%
      longer a token at 150-900 positions; docs/BENCHMARKS.md 26.) */
-  int (*item)[4] = malloc(sizeof(int[4]) * ((size_t)R * H + 1));
+  int (*item)[5] = malloc(sizeof(int[5]) * ((size_t)R * H * C + 1));
+  char* chunked = malloc((size_t)R);  /* row r's keys in chunks */
   int n_items = 0;
   const int grouped = R > 1 || M->kv_heads >= omp_get_max_threads();
   const int per_kv = grouped && G <= ATT_MAXQ ? G : 1;  /* (G past ATT_MAXQ: one query head an item) */
@@ -408,13 +457,21 @@ static void attend(const Model* M, int l, int R, const float* q, int64_t q_strid
       piece = piece < (R + 1) / 2 ? piece : (R + 1) / 2;
     while (r < end) {
       const int rows = end - r < piece ? end - r : piece;
-      for (int h = 0; h < H; h += per_kv) {
-        int* it = item[n_items++];
-        it[0] = r, it[1] = rows, it[2] = h, it[3] = per_kv;
-      }
+      int64_t last = 0;  /* the piece's longest row: its chunks */
+      for (int i = r; i < r + rows; i++) last = pos[i] + 1 > last ? pos[i] + 1 : last;
+      const int by_chunk = rows * per_kv < ATT_LANES_MIN;
+      for (int i = r; i < r + rows; i++) chunked[i] = (char)(by_chunk && pos[i] >= CH);
+      for (int c = 0; by_chunk ? c * (int64_t)CH < last : c < 1; c++)
+        for (int h = 0; h < H; h += per_kv) {
+          int* it = item[n_items++];
+          it[0] = r, it[1] = rows, it[2] = h, it[3] = per_kv, it[4] = by_chunk ? c : -1;
+        }
       r += rows;
     }
   }
+  /* a row of more than one chunk: its chunks' outputs [R][H][C][D] and max, sum [R][H][C][2] */
+  float* co = C > 1 ? malloc(sizeof(float) * (size_t)R * H * C * (D + 2)) : NULL;
+  float* cst = co ? co + (int64_t)R * H * C * D : NULL;
   const int nqp = (ATT_MAXQ + LANES - 1) / LANES * LANES;
   #pragma omp parallel if (R * span >= 32)
   {
@@ -423,18 +480,33 @@ static void attend(const Model* M, int l, int R, const float* q, int64_t q_strid
     for (int w = 0; w < n_items; w++) {
       const int* it = item[w];
       Queries Q;
-      Q.nq = 0;
-      for (int r = it[0]; r < it[0] + it[1]; r++)
+      Q.nq = 0, Q.lo = it[4] < 0 ? 0 : it[4] * CH, Q.hi = it[4] < 0 ? (int)span : Q.lo + CH;
+      for (int r = it[0]; r < it[0] + it[1]; r++) {
+        if (pos[r] < Q.lo) continue;  /* this row's keys end before the chunk */
+        const int whole = !chunked[r];  /* the row's only item: the output itself */
         for (int h = it[2]; h < it[2] + it[3]; h++) {
+          const int64_t rh = (int64_t)r * H + h;
           Q.q[Q.nq] = q + (int64_t)r * q_stride + (int64_t)h * D;
-          Q.o[Q.nq] = o + ((int64_t)r * H + h) * D;
-          Q.p[Q.nq] = p + ((int64_t)r * H + h) * span;
+          Q.o[Q.nq] = whole ? o + rh * D : co + (rh * C + it[4]) * D;
+          Q.st[Q.nq] = whole ? NULL : cst + (rh * C + it[4]) * 2;
+          Q.p[Q.nq] = p + rh * span;
           Q.n[Q.nq++] = (int)pos[r] + 1;
         }
-      att_item(M, l, it[2] / G, &Q, pages + page_at[it[0]], work);
+      }
+      if (Q.nq) att_item(M, l, it[2] / G, &Q, pages + page_at[it[0]], work);
     }
     free(work);
+    if (co) {
+      #pragma omp for schedule(static)
+      for (int rh = 0; rh < R * H; rh++) {
+        const int64_t n = pos[rh / H] + 1;
+        if (chunked[rh / H]) merge_chunks((int)((n + CH - 1) / CH), D, co + (int64_t)rh * C * D, cst + (int64_t)rh * C * 2,
+                                 o + (int64_t)rh * D);
+      }
+    }
   }
+  free(co);
+  free(chunked);
   free(item);
 }
 
