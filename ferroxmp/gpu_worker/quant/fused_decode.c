@@ -345,6 +345,47 @@ static void att_scores_lanes(const Model* M, const Queries* Q, int64_t head, con
   }
 }
 
+#ifdef __AVX512F__
+/* 8 vectors -> their 8 horizontal sums, in the order of `a` (a0 .. a7), scaled, to out:
+   the lane tree of _mm512_reduce_add_ps (i + i+8, then i + i+4, i + i+2, i + i+1) for 8
+   vectors at once, ~2.6 instructions a sum instead of ~8. */
+static inline void hsum8(const __m512* a, float scale, float* out) {
+  static const int pair[4][2] = {{0, 2}, {4, 6}, {1, 3}, {5, 7}};
+  __m512 b[4];
+  for (int i = 0; i < 4; i++) {  /* lanes 0-7 key pair[i][0], 8-15 key pair[i][1]: 8 partial sums each */
+    const __m512 x = a[pair[i][0]], y = a[pair[i][1]];
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xee));
+  }
+  /* 128-bit blocks of 4 partial sums: c0 keys 0, 2, 4, 6; c1 keys 1, 3, 5, 7 */
+  __m512 c[2];
+  for (int i = 0; i < 2; i++)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+  /* block j: key 2j in lanes 0-1, key 2j + 1 in lanes 2-3 (2 partial sums each), then summed into lanes 0, 2 */
+  __m512 e = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x44), _mm512_shuffle_ps(c[0], c[1], 0xee));
+  e = _mm512_add_ps(e, _mm512_permute_ps(e, 0xb1));
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm512_castps512_ps256(_mm512_maskz_compress_ps(0x5555, e)),
+                                      _mm256_set1_ps(scale)));
+}
+
+/* Scores of queries i0 .. i0 + NQ of Q against keys t .. t + 7 (one page): each key
+   widened once for all NQ, 8 accumulators a query. */
+static inline __attribute__((always_inline)) void att_scores8(int NQ, const Model* M, const Queries* Q, int i0,
+                                                               int64_t at, int t, float scale) {
+  const int D = M->head_dim;
+  __m512 acc[3][8];
+  for (int i = 0; i < NQ; i++)
+    for (int j = 0; j < 8; j++) acc[i][j] = _mm512_setzero_ps();
+  for (int c = 0; c < D; c += 16)
+    for (int j = 0; j < 8; j++) {
+      const int64_t e = at + (int64_t)j * D + c;
+      const __m512 k = M->kv_f16 ? VLOADH((const uint16_t*)M->pool_k + e) : VLOAD((const float*)M->pool_k + e);
+      for (int i = 0; i < NQ; i++) acc[i][j] = _mm512_fmadd_ps(VLOAD(Q->q[i0 + i] + c), k, acc[i][j]);
+    }
+  for (int i = 0; i < NQ; i++) hsum8(acc[i], scale, Q->p[i0 + i] + t);
+}
+#endif
+
 /* One work item: scores, softmax, weighted V, for the queries of Q (all of KV head j). */
 static void att_item(const Model* M, int l, int j, const Queries* Q, const int64_t* pg, float* work) {
   const int D = M->head_dim, ps = M->page_size;
@@ -358,7 +399,23 @@ static void att_item(const Model* M, int l, int j, const Queries* Q, const int64
     const int nmax = q_end(Q);
     for (int t0 = Q->lo; t0 < nmax; t0 += ps) {
       const int64_t at = page_walk(M, M->pool_k, head, pg, t0, Q->lo, nmax);
-      for (int t = t0; t < nmax && t < t0 + ps; t++)
+      int t = t0;
+#ifdef __AVX512F__
+      /* 8 keys at a time where every query reads all 8 (a row's own query heads: all of them) */
+      int all = nmax;
+      for (int i = 0; i < Q->nq; i++) all = Q->n[i] < all ? Q->n[i] : all;
+      if (D % 16 == 0)
+        for (; t + 8 <= all && t + 8 <= t0 + ps; t += 8) {
+          const int64_t kat = at + (int64_t)(t - t0) * D;
+          for (int i0 = 0; i0 < Q->nq; i0 += 3) {
+            const int nq = Q->nq - i0 < 3 ? Q->nq - i0 : 3;
+            if (nq == 3) att_scores8(3, M, Q, i0, kat, t, scale);
+            else if (nq == 2) att_scores8(2, M, Q, i0, kat, t, scale);
+            else att_scores8(1, M, Q, i0, kat, t, scale);
+          }
+        }
+#endif
+      for (; t < nmax && t < t0 + ps; t++)
         for (int i = 0; i < Q->nq; i++)
           if (t < Q->n[i]) Q->p[i][t] = dot_kv(M, Q->q[i], M->pool_k, at + (int64_t)(t - t0) * D, D) * scale;
     }
