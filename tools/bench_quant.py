@@ -107,23 +107,30 @@ def timed(fn, x, calls: int) -> float:
 def f32_stack(layers: int, rows: list[int], repeats: int) -> None:
     """Float32 weights as a decode step reads them: `layers` layers' own matrices (qkv, o,
     gate+up, down: ~515 MB at 30, past any cache) then the LM head, once per pass, through
-    torch's F.linear (MKL) and groups.c's f32_mm; median ms per pass, alternating."""
+    torch's F.linear (MKL) and groups.c's f32_mm, in 4 KiB pages, and f32_mm again on a copy
+    in 2 MiB pages (`f32_mm 2M`: gpu_worker/huge_pages.py's region, where a served model's
+    weights live); median ms per pass, alternating."""
+    from ferroxmp.gpu_worker.huge_pages import WeightArena
     from ferroxmp.gpu_worker.quant.packed import f32_mm
     ws = [torch.randn(n, k) for _ in range(layers) for n, k in
           (SHAPES["qkv 960x576"], SHAPES["q/o 576x576"], SHAPES["gate+up 3072x576"], SHAPES["down 576x1536"])]
     head = torch.randn(*SHAPES["head 49152x576"])
+    huge = [w.clone() for w in ws + [head]]
+    arena = WeightArena(huge)
+    stacks = {"F.linear": (F.linear, ws, head), "f32_mm": (f32_mm, ws, head), "f32_mm 2M": (f32_mm, huge[:-1], huge[-1])}
 
-    print(f"float32, {layers} layers then the head, median of {repeats} passes (ms): layers / head")
+    print(f"float32, {layers} layers then the head, median of {repeats} passes (ms): layers / head "
+          f"({arena.huge_bytes() / 2**20:.0f} of {arena.nbytes / 2**20:.0f} MiB of the 2M copy in huge pages)")
     for m in rows:
         xs = {k: torch.randn(m, k) for k in (576, 1536)}
-        got: dict = {"F.linear": ([], []), "f32_mm": ([], [])}
+        got: dict = {name: ([], []) for name in stacks}
         for _ in range(repeats):
-            for name, fn in (("F.linear", F.linear), ("f32_mm", f32_mm)):
+            for name, (fn, mats, last) in stacks.items():
                 t0 = time.perf_counter()
-                for w in ws:
+                for w in mats:
                     fn(xs[w.shape[1]], w)
                 t1 = time.perf_counter()
-                fn(xs[576], head)
+                fn(xs[576], last)
                 got[name][0].append(t1 - t0)
                 got[name][1].append(time.perf_counter() - t1)
         print(f"M={m:>4} " + "  ".join(f"{name} {1e3 * statistics.median(a):7.1f} / {1e3 * statistics.median(b):6.1f}"
