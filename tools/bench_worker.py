@@ -102,6 +102,21 @@ def _pair(a, b, repeat: int) -> tuple[float, float]:
     return statistics.median(ta), statistics.median(tb)
 
 
+def _read_floor(runner, ctx: int, runner_step, steps: int) -> tuple[float, float, int]:
+    """The bandwidth floor of a one-row step: the bytes it must read (every weight once,
+    the row's K/V at `ctx` positions) summed by torch over a buffer in 2 MiB pages (where
+    the weights live: gpu_worker/huge_pages.py), alternately with the runner's step.
+    Returns (runner s, read s, bytes)."""
+    from ferroxmp.gpu_worker.huge_pages import WeightArena
+    cfg, kv = runner.config, runner.kv
+    kv_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * ctx * kv.k.element_size()
+    nbytes = sum(runner.model.weight_bytes().values()) + kv_bytes
+    buf = torch.ones(nbytes // 4)
+    arena = WeightArena([buf])  # noqa: F841  (buf lives in it)
+    t_run, t_read = _pair(runner_step, buf.sum, steps)
+    return t_run, t_read, nbytes
+
+
 class RunnerBench:
     """A ModelRunner on a private pool. Row r's j-th page is j * rows + r (interleaved, as
     pages grown one at a time by concurrent rows are), or consecutive with --consecutive."""
@@ -144,7 +159,7 @@ def bench(path: str, batches: list[int], contexts: list[int], prefills: list[int
           page_size: int, consecutive: bool, attention: str, decode_path: str = "auto",
           quantization: str = "auto", fused_decode: bool = True, kv_cache_dtype: str = "auto") -> dict:
     max_b = max(batches)
-    max_len = max(contexts + prefills) + steps + 4
+    max_len = max(contexts + prefills) + 3 * steps + 8  # the b1 rows step again beside the read floor
     rb = RunnerBench(path, max_b, max_len, page_size, consecutive, attention, decode_path, quantization,
                      fused_decode, kv_cache_dtype)
     try:
@@ -183,6 +198,13 @@ def bench(path: str, batches: list[int], contexts: list[int], prefills: list[int
                     print(f"decode b{b:<3} ctx {ctx:>5}: runner {1000 * t_run:8.1f} ms, floor "
                           f"{1000 * t_floor:8.1f} ms, runner/floor time {t_run / t_floor:.3f}", flush=True)
                     del floor
+                    if b == 1:  # issue 29's bandwidth floor, measured alternately with the step
+                        t_run, t_read, nbytes = _read_floor(rb.runner, ctx, runner_step, steps)
+                        out[f"decode_b1_ctx{ctx}"].update(read_floor_ms=1000 * t_read, read_bytes=nbytes,
+                                                          runner_vs_read=t_run / t_read)
+                        print(f"decode b1   ctx {ctx:>5}: runner {1000 * t_run:8.1f} ms, read floor "
+                              f"{1000 * t_read:8.1f} ms ({nbytes / 2**20:.0f} MiB at {nbytes / t_read / 1e9:.1f} "
+                              f"GB/s), runner/read floor {t_run / t_read:.3f}", flush=True)
         return out
     finally:
         rb.close()
