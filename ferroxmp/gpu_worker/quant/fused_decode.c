@@ -274,7 +274,9 @@ static inline const float* kv_row(const Model* M, const void* pool, int64_t at, 
    the caches in between, the K/V came from DRAM a page at a time, latency-bound
    (tools/bench_attention.py, float16 K/V, 30 layers: one row at 1,000 positions 8.0-9.6
    -> 5.2-5.7 ms, 16 rows at 400 23.7-27.8 -> 15.7-18.7 ms; docs/BENCHMARKS.md 26). Into
-   L2: into L1 it cost float32's 16 rows 5-10%. */
+   L2: into L1 it cost float32's 16 rows 5-10%. A walk over the keys also fetches the same
+   page of the values, which the weighted sum reads next (16 rows at 400: 10-13% less
+   time; docs/BENCHMARKS.md 27). */
 #define ATT_AHEAD 2
 static inline int64_t page_walk(const Model* M, const void* pool, int64_t head, const int64_t* pg, int t0, int lo,
                                 int n) {
@@ -282,6 +284,10 @@ static inline int64_t page_walk(const Model* M, const void* pool, int64_t head, 
   const int64_t bytes = (int64_t)ps * D * (M->kv_f16 ? 2 : 4);
   for (int i = t0 != lo ? page + ATT_AHEAD : page + 1; i <= page + ATT_AHEAD && i <= last; i++) {
     const char* a = (const char*)pool + (head + pg[i] * ps * D) * (M->kv_f16 ? 2 : 4);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(a + b, _MM_HINT_T1);
+  }
+  if (pool == M->pool_k) {  /* the V walk that follows the scores: its page, into L2 now */
+    const char* a = (const char*)M->pool_v + (head + pg[page] * ps * D) * (M->kv_f16 ? 2 : 4);
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(a + b, _MM_HINT_T1);
   }
   return head + pg[page] * ps * D;
