@@ -40,7 +40,8 @@ def tensors_of(weights: list) -> list[torch.Tensor]:
     Int4x16, Groups), each once, in order."""
     out: dict[int, torch.Tensor] = {}
     for w in weights:
-        parts = [w] if isinstance(w, torch.Tensor) else [v for v in vars(w).values() if isinstance(v, torch.Tensor)]
+        held = getattr(w, "__dict__", {})  # (an object of no tensor attributes, e.g. FBGEMM's packed fp16: none)
+        parts = [w] if isinstance(w, torch.Tensor) else [v for v in held.values() if isinstance(v, torch.Tensor)]
         for t in parts:
             out.setdefault(id(t), t)
     return list(out.values())

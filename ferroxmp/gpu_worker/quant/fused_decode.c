@@ -127,8 +127,8 @@ static inline VEC vexp(VEC x) {
   return VPOW2(y, n);
 }
 
-/* max of p[0..n) in float lanes: a scalar loop is one chain of dependent maxss, 3 cycles a
-   score (a fifth of a row's attention at 1,000 positions). */
+/* max of p[0..n) in float lanes (a scalar loop is one chain of dependent maxss, ~3 cycles
+   a score). */
 static inline float max_of(const float* p, int n) {
   VEC m0 = VSET1(-INFINITY), m1 = m0;
   int t = 0;
