@@ -7,8 +7,8 @@ there (`t.data = view`: the objects holding them keep their identity).
 
 Why: a decode step streams every weight once, and in 4 KiB pages the CPU takes a TLB
 miss every 4 KiB and its prefetchers stop at each page's end. float32 SmolLM2's 30
-layers through f32_mm at one row: 13.5 -> 9.7 ms from the same bytes in 2 MiB pages
-(docs/BENCHMARKS.md 27). The kernel's THP mode "madvise" (a common default) backs a
+layers and head through f32_mm at one row: -14% from the same bytes in 2 MiB pages
+(tools/bench_quant.py --f32-stack; docs/BENCHMARKS.md 27). The kernel's THP mode "madvise" (a common default) backs a
 region with huge pages only where it is asked to; under "never" the region is ordinary
 pages and nothing else changes. Resident cost: the last huge page, under 2 MiB.
 
@@ -23,6 +23,8 @@ import logging
 import mmap
 
 import torch
+
+from ferroxmp.heap import release_freed_memory
 
 log = logging.getLogger("ferroxmp.worker")
 
@@ -95,7 +97,6 @@ class WeightArena:
 def move_weights(model) -> WeightArena:
     """Every weight of `model` (a CPU DecoderLM) into one WeightArena, logged."""
     arena = WeightArena(tensors_of(model.held_weights()))
-    from ferroxmp.heap import release_freed_memory
     release_freed_memory()  # the old copies
     log.info("weights: %.1f MiB in one region, %.1f MiB of it in 2 MiB pages", arena.nbytes / 2**20,
              arena.huge_bytes() / 2**20)
