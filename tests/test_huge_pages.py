@@ -81,3 +81,14 @@ def test_a_built_runner_keeps_every_weight_and_the_fused_steps_addresses_in_the_
             assert lin.q is not None and arena.start <= lin.q < arena.start + arena.nbytes
         assert arena.start <= L.in_norm < arena.start + arena.nbytes
     assert h.runner.memory_info()["weight_huge_page_bytes"] == arena.huge_bytes()
+
+
+def test_two_tensors_over_one_storage_stay_one_copy():
+    a = torch.randn(64, 32)
+    b = a.view(32, 64)  # the same whole storage under another shape
+    want = a.clone()
+    arena = WeightArena(tensors_of([a, b]))
+    assert arena.nbytes == 64 * 32 * 4 and arena.holds(a) and arena.holds(b)
+    assert a.data_ptr() == b.data_ptr() and torch.equal(a, want)
+    b[0, 0] = 3.0  # still one storage
+    assert a[0, 0].item() == 3.0

@@ -6,8 +6,8 @@ pages (the region ferroxmp's CPU weights live in: gpu_worker/huge_pages.py).
     .venv/bin/python tools/bench_bandwidth.py [--gib 1] [--threads N] [--passes 9]
 
 The floor of a batch-1 decode step is (weight bytes read per token) / this figure
-(docs/BENCHMARKS.md 21); nothing but the weights is counted, so it is a lower bound: take the faster of the two
-figures.
+(docs/BENCHMARKS.md 21); nothing but the weights is counted, so it is a lower bound:
+take the faster of the two figures.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def measure(x: torch.Tensor, pages: str, a) -> None:
     s = statistics.median(ts)
     print(f"read bandwidth, {pages}: {x.numel() * 4 / s / 1e9:.1f} GB/s ({a.threads} threads, {a.gib} GiB, "
           f"median of {a.passes}: {s * 1e3:.1f} ms)")
+
 
 if __name__ == "__main__":
     main()

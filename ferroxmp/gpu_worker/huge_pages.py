@@ -8,14 +8,15 @@ there (`t.data = view`: the objects holding them keep their identity).
 Why: a decode step streams every weight once, and in 4 KiB pages the CPU takes a TLB
 miss every 4 KiB and its prefetchers stop at each page's end. float32 SmolLM2's 30
 layers and head through f32_mm at one row: -14% from the same bytes in 2 MiB pages
-(tools/bench_quant.py --f32-stack; docs/BENCHMARKS.md 27). The kernel's THP mode "madvise" (a common default) backs a
-region with huge pages only where it is asked to; under "never" the region is ordinary
-pages and nothing else changes. Resident cost: the last huge page, under 2 MiB.
+(tools/bench_quant.py --f32-stack; docs/BENCHMARKS.md 27). The kernel's THP mode
+"madvise" (a common default) backs a region with huge pages only where it is asked to;
+under "never" the region is ordinary pages and nothing else changes. Resident cost: the
+last huge page, under 2 MiB.
 
 Invariants: runs before anything records a weight's address (FusedDecode keeps them,
-built later by the runner). Copies are bitwise, so outputs do not change. A tensor that
-shares its storage with another (a view) is left where it is: moving it would make a
-second copy. The arena lives as long as the model (model.weight_arena).
+built later by the runner). Copies are bitwise, so outputs do not change. A view of a
+part of a storage is left where it is (moving it would make a second copy); tensors
+over one whole storage share one place. The arena lives as long as the model (model.weight_arena).
 """
 from __future__ import annotations
 
@@ -52,10 +53,14 @@ def tensors_of(weights: list) -> list[torch.Tensor]:
 class WeightArena:
     def __init__(self, tensors: list[torch.Tensor]):
         movable = [t for t in tensors if _owns_storage(t) and t.numel() > 0]
-        offsets, end = [], 0
+        # One place per storage: two tensors over the same whole storage stay one copy.
+        first: dict[int, int] = {}  # storage address -> byte offset in the region
+        end = 0
         for t in movable:
-            offsets.append(end)
-            end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+            key = t.untyped_storage().data_ptr()
+            if key not in first:
+                first[key] = end
+                end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
         self.nbytes = end
         self._map = mmap.mmap(-1, end + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -63,10 +68,13 @@ class WeightArena:
         region = torch.frombuffer(self._map, dtype=torch.uint8)
         skip = -region.data_ptr() % HUGE  # start on a huge page boundary: every 2 MiB of weights one page
         self._region = region[skip:skip + end]
-        for t, off in zip(movable, offsets):
-            n = t.numel() * t.element_size()
-            view = self._region[off:off + n].view(t.dtype).view(t.shape)
-            view.copy_(t)
+        copied: set[int] = set()
+        for t in movable:
+            key, n = t.untyped_storage().data_ptr(), t.numel() * t.element_size()
+            view = self._region[first[key]:first[key] + n].view(t.dtype).view(t.shape)
+            if key not in copied:
+                view.copy_(t)
+                copied.add(key)
             t.data = view  # the old storage is freed with its last reference
         self.moved = len(movable)
 
