@@ -551,7 +551,9 @@ static void attend(const Model* M, int l, int R, const float* q, int64_t q_strid
     }
   }
   /* a row of more than one chunk: its chunks' outputs [R][H][C][D] and max, sum [R][H][C][2] */
-  float* co = C > 1 ? malloc(sizeof(float) * (size_t)R * H * C * (D + 2)) : NULL;
+  int any = 0;
+  for (int r = 0; r < R; r++) any |= chunked[r];
+  float* co = any ? malloc(sizeof(float) * (size_t)R * H * C * (D + 2)) : NULL;
   float* cst = co ? co + (int64_t)R * H * C * D : NULL;
   const int nqp = (ATT_MAXQ + LANES - 1) / LANES * LANES;
   #pragma omp parallel if (R * span >= 32)
