@@ -208,36 +208,33 @@ def test_the_mirror_and_the_gather_give_the_same_bits():
     assert torch.equal(results[0], results[1])
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 8), (9, 3, 64), (8, 1, 48), (4, 4, 128), (16, 2, 32), (64, 1, 16)])
-def test_tokens_sharing_their_pages_each_attend_up_to_their_own_position(kv_dtype, heads, kv_heads, dim):
-    """PageDecode over rows that share one page list (a chunk's tokens in a fused step: a
-    speculative verify, a short prompt), each at its own position, beside single rows:
-    every query must see exactly keys 0..its position (causal within the chunk). Cases:
-    the scores with queries in lanes (>= 6 queries), a chunk of more queries than one work
-    item takes (20 tokens x 8 heads), head sizes whose V sums stay in registers (32, 64,
-    128) or not (8, 48), GQA 1-64 (64: more query heads than a work item takes), a float16
-    pool."""
+def _native_pool(g, num_pages, ps, kv_heads, dim, kv_dtype):
+    """A random one-layer pool and PageDecode over it (skips without native kernels)."""
     from ferroxmp.gpu_worker.attention.page_decode import PageDecode
-    g = torch.Generator().manual_seed(heads * dim)
-    ps, num_pages = 4, 64
     kv = KVPool(num_pages, ps, 1, kv_heads, dim, kv_dtype, CPU, "hnd")
     kv.slots_view(0, "k").copy_(torch.randn(num_pages * ps, kv_heads, dim, generator=g))
     kv.slots_view(0, "v").copy_(torch.randn(num_pages * ps, kv_heads, dim, generator=g))
     pd = PageDecode.build(kv, None, torch.float32)
     if pd is None:
         pytest.skip("no native kernels here")
-    perm = torch.randperm(num_pages, generator=g)
-    # (pages of the row, positions of its tokens in this step): a chunk of 20, one of 5, a row alone
-    seqs = [(perm[:10], list(range(14, 34))), (perm[10:20], list(range(3, 8))), (perm[20:30], [25])]
+    return kv, pd
+
+
+def _page_decode(pd, seqs, q):
+    """PageDecode over `seqs` ((pages of a row, positions of its tokens in this step)),
+    q [tokens, heads, dim] in the same order."""
     positions, page_at, pages = [], [], []
     for row_pages, pos in seqs:
         page_at += [len(pages)] * len(pos)
         positions += pos
         pages += row_pages.tolist()
     page_at.append(len(pages))
-    q = torch.randn(len(positions), heads, dim, generator=g)
-    out = pd(0, q, torch.tensor(positions), torch.tensor(page_at), torch.tensor(pages), max(positions) + 1)
+    return pd(0, q, torch.tensor(positions), torch.tensor(page_at), torch.tensor(pages), max(positions) + 1)
+
+
+def _check_definition(out, q, kv, seqs, ps):
+    """Every query of `out` against the softmax over keys 0..its position, in float64."""
+    heads, kv_heads, dim = q.shape[1], kv.k.shape[1], q.shape[2]
     ks, vs = kv.slots_view(0, "k").double(), kv.slots_view(0, "v").double()
     i = 0
     for row_pages, pos in seqs:
@@ -253,6 +250,26 @@ def test_tokens_sharing_their_pages_each_attend_up_to_their_own_position(kv_dtyp
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 8), (9, 3, 64), (8, 1, 48), (4, 4, 128), (16, 2, 32), (64, 1, 16)])
+def test_tokens_sharing_their_pages_each_attend_up_to_their_own_position(kv_dtype, heads, kv_heads, dim):
+    """PageDecode over rows that share one page list (a chunk's tokens in a fused step: a
+    speculative verify, a short prompt), each at its own position, beside single rows:
+    every query must see exactly keys 0..its position (causal within the chunk). Cases:
+    the scores with queries in lanes (>= 6 queries), a chunk of more queries than one work
+    item takes (20 tokens x 8 heads), head sizes whose V sums stay in registers (32, 64,
+    128) or not (8, 48), GQA 1-64 (64: more query heads than a work item takes), a float16
+    pool."""
+    g = torch.Generator().manual_seed(heads * dim)
+    ps, num_pages = 4, 64
+    kv, pd = _native_pool(g, num_pages, ps, kv_heads, dim, kv_dtype)
+    perm = torch.randperm(num_pages, generator=g)
+    # (pages of the row, positions of its tokens in this step): a chunk of 20, one of 5, a row alone
+    seqs = [(perm[:10], list(range(14, 34))), (perm[10:20], list(range(3, 8))), (perm[20:30], [25])]
+    q = torch.randn(sum(len(pos) for _, pos in seqs), heads, dim, generator=g)
+    _check_definition(_page_decode(pd, seqs, q), q, kv, seqs, ps)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_long_contexts_in_chunks_match_the_definition_and_do_not_depend_on_the_step(kv_dtype):
     """PageDecode takes a decoding row's keys 512 positions at a time (fused_decode.c's
     chunks, joined by their softmax maxima and sums). Oracle: the softmax over all the keys
@@ -260,43 +277,18 @@ def test_long_contexts_in_chunks_match_the_definition_and_do_not_depend_on_the_s
     several (700, 1500), and a verify of 9 tokens past a chunk's end (505-513); and each
     row's output alone in a step is bitwise its output beside the others (the chunks
     depend on the position only, never on the other rows)."""
-    from ferroxmp.gpu_worker.attention.page_decode import PageDecode
     heads, kv_heads, dim, ps, num_pages = 9, 3, 64, 16, 400
     g = torch.Generator().manual_seed(7)
-    kv = KVPool(num_pages, ps, 1, kv_heads, dim, kv_dtype, CPU, "hnd")
-    kv.slots_view(0, "k").copy_(torch.randn(num_pages * ps, kv_heads, dim, generator=g))
-    kv.slots_view(0, "v").copy_(torch.randn(num_pages * ps, kv_heads, dim, generator=g))
-    pd = PageDecode.build(kv, None, torch.float32)
-    if pd is None:
-        pytest.skip("no native kernels here")
+    kv, pd = _native_pool(g, num_pages, ps, kv_heads, dim, kv_dtype)
     perm = torch.randperm(num_pages, generator=g)
     seqs = [(perm[0:100], [1500]), (perm[100:140], list(range(505, 514))), (perm[140:190], [700]),
             (perm[190:230], [511]), (perm[230:270], [512])]
-
-    def run(chosen):
-        positions, page_at, pages = [], [], []
-        for row_pages, pos in chosen:
-            page_at += [len(pages)] * len(pos)
-            positions += pos
-            pages += row_pages.tolist()
-        page_at.append(len(pages))
-        qs = torch.cat([q[(id(row_pages), p)] for row_pages, pos in chosen for p in pos])
-        return pd(0, qs, torch.tensor(positions), torch.tensor(page_at), torch.tensor(pages), max(positions) + 1)
-
-    q = {(id(rp), p): torch.randn(1, heads, dim, generator=g) for rp, pos in seqs for p in pos}
-    out = run(seqs)
-    ks, vs = kv.slots_view(0, "k").double(), kv.slots_view(0, "v").double()
+    q = torch.randn(sum(len(pos) for _, pos in seqs), heads, dim, generator=g)
+    out = _page_decode(pd, seqs, q)
+    _check_definition(out, q, kv, seqs, ps)
     i = 0
     for row_pages, pos in seqs:
-        slots = (row_pages[:, None] * ps + torch.arange(ps)).reshape(-1)
-        for p in pos:
-            k, v = ks[slots[:p + 1]], vs[slots[:p + 1]]
-            for h in range(heads):
-                j = h // (heads // kv_heads)
-                w = torch.softmax(k[:, j] @ q[(id(row_pages), p)][0, h].double() / dim ** 0.5, 0)
-                want = w @ v[:, j]
-                assert torch.allclose(out[i, h].double(), want, atol=1e-5), (p, h, (out[i, h] - want).abs().max())
-            if len(pos) == 1:  # (a verify's queries share an item: its scores take another order)
-                alone = run([(row_pages, [p])])
-                assert torch.equal(alone[0], out[i]), (p, (alone[0] - out[i]).abs().max())
-            i += 1
+        if len(pos) == 1:  # a row alone (a verify's queries share an item: its scores take another order)
+            alone = _page_decode(pd, [(row_pages, pos)], q[i:i + 1])
+            assert torch.equal(alone[0], out[i]), (pos, (alone[0] - out[i]).abs().max())
+        i += len(pos)
