@@ -63,8 +63,10 @@ class WeightArena:
                 end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
         self.nbytes = end
         self._map = mmap.mmap(-1, end + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:  # a kernel built without THP says EINVAL: the region is ordinary pages then
             self._map.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):
+            pass
         region = torch.frombuffer(self._map, dtype=torch.uint8)
         skip = -region.data_ptr() % HUGE  # start on a huge page boundary: every 2 MiB of weights one page
         self._region = region[skip:skip + end]
