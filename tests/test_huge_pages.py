@@ -92,3 +92,13 @@ def test_two_tensors_over_one_storage_stay_one_copy():
     assert a.data_ptr() == b.data_ptr() and torch.equal(a, want)
     b[0, 0] = 3.0  # still one storage
     assert a[0, 0].item() == 3.0
+
+
+def test_a_kernel_that_refuses_the_advice_leaves_ordinary_pages(monkeypatch):
+    import mmap
+
+    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 9999, raising=False)  # an advice the kernel refuses: EINVAL
+    a = torch.randn(1000, 100)
+    want = a.clone()
+    arena = WeightArena([a])
+    assert arena.holds(a) and torch.equal(a, want)
