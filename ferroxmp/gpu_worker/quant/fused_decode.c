@@ -301,11 +301,12 @@ typedef struct {
   float* p[ATT_MAXQ]; const float* q[ATT_MAXQ]; float* o[ATT_MAXQ]; float* st[ATT_MAXQ]; int n[ATT_MAXQ];
 } Queries;
 
-/* The last key + 1 any query of Q reads in its chunk. */
+/* The last key + 1 query i of Q reads in its chunk, and any of them. */
+static inline int q_stop(const Queries* Q, int i) { return Q->n[i] < Q->hi ? Q->n[i] : Q->hi; }
 static inline int q_end(const Queries* Q) {
   int e = 0;
-  for (int i = 0; i < Q->nq; i++) e = Q->n[i] > e ? Q->n[i] : e;
-  return e < Q->hi ? e : Q->hi;
+  for (int i = 0; i < Q->nq; i++) e = q_stop(Q, i) > e ? q_stop(Q, i) : e;
+  return e;
 }
 
 /* o_i = sum_t p_i[t] V[t] / inv_i for queries i0 .. i0 + GQ of Q (fewer at the end), HV
@@ -316,8 +317,7 @@ static inline __attribute__((always_inline)) void att_pv(int HV, int GQ, const M
   VEC acc[ATT_ACC_WIDE];
   for (int i = 0; i < GQ * HV; i++) acc[i] = VZERO;
   int nmax = 0;
-  for (int g = 0; g < g_n; g++) nmax = Q->n[i0 + g] > nmax ? Q->n[i0 + g] : nmax;
-  nmax = nmax < Q->hi ? nmax : Q->hi;
+  for (int g = 0; g < g_n; g++) nmax = q_stop(Q, i0 + g) > nmax ? q_stop(Q, i0 + g) : nmax;
   for (int t0 = Q->lo; t0 < nmax; t0 += ps) {
     const int64_t at = page_walk(M, M->pool_v, head, pg, t0, Q->lo, nmax);
     for (int t = t0; t < nmax && t < t0 + ps; t++) {
@@ -411,6 +411,32 @@ static inline __attribute__((always_inline)) void att_scores8(int NQ, const Mode
 }
 #endif
 
+/* Scores of fewer than ATT_LANES_MIN queries: one walk over the keys, each key for every
+   query while it is in L1; under AVX-512 8 keys at a time where every query reads all 8
+   (a row's own query heads read the same keys). */
+static void att_scores_few(const Model* M, const Queries* Q, int64_t head, const int64_t* pg, float scale) {
+  const int D = M->head_dim, ps = M->page_size, nmax = q_end(Q);
+  int all = nmax;  /* keys every query reads */
+  for (int i = 0; i < Q->nq; i++) all = q_stop(Q, i) < all ? q_stop(Q, i) : all;
+  for (int t0 = Q->lo; t0 < nmax; t0 += ps) {
+    const int64_t at = page_walk(M, M->pool_k, head, pg, t0, Q->lo, nmax);
+    int t = t0;
+#ifdef __AVX512F__
+    for (; D % 16 == 0 && t + 8 <= all && t + 8 <= t0 + ps; t += 8)
+      for (int i0 = 0; i0 < Q->nq; i0 += 3) {
+        const int64_t kat = at + (int64_t)(t - t0) * D;
+        const int nq = Q->nq - i0 < 3 ? Q->nq - i0 : 3;
+        if (nq == 3) att_scores8(3, M, Q, i0, kat, t, scale);
+        else if (nq == 2) att_scores8(2, M, Q, i0, kat, t, scale);
+        else att_scores8(1, M, Q, i0, kat, t, scale);
+      }
+#endif
+    for (; t < nmax && t < t0 + ps; t++)
+      for (int i = 0; i < Q->nq; i++)
+        if (t < Q->n[i]) Q->p[i][t] = dot_kv(M, Q->q[i], M->pool_k, at + (int64_t)(t - t0) * D, D) * scale;
+  }
+}
+
 /* One work item: scores, softmax, weighted V, for the queries of Q (all of KV head j). */
 static void att_item(const Model* M, int l, int j, const Queries* Q, const int64_t* pg, float* work) {
   const int D = M->head_dim, ps = M->page_size;
@@ -418,36 +444,11 @@ static void att_item(const Model* M, int l, int j, const Queries* Q, const int64
   const int64_t head = (int64_t)l * M->kv_heads * M->pool_slots * D + (int64_t)j * M->pool_slots * D;
   float* tmp = work;           /* a widened K/V row: D floats */
   float* qt = work + D;        /* D * ATT_MAXQ (rounded up to lanes) */
-  if (Q->nq >= ATT_LANES_MIN) {
-    att_scores_lanes(M, Q, head, pg, scale, qt, tmp);
-  } else {  /* one walk over the keys, each key for every query while it is in L1 */
-    const int nmax = q_end(Q);
-    for (int t0 = Q->lo; t0 < nmax; t0 += ps) {
-      const int64_t at = page_walk(M, M->pool_k, head, pg, t0, Q->lo, nmax);
-      int t = t0;
-#ifdef __AVX512F__
-      /* 8 keys at a time where every query reads all 8 (a row's own query heads: all of them) */
-      int all = nmax;
-      for (int i = 0; i < Q->nq; i++) all = Q->n[i] < all ? Q->n[i] : all;
-      if (D % 16 == 0)
-        for (; t + 8 <= all && t + 8 <= t0 + ps; t += 8) {
-          const int64_t kat = at + (int64_t)(t - t0) * D;
-          for (int i0 = 0; i0 < Q->nq; i0 += 3) {
-            const int nq = Q->nq - i0 < 3 ? Q->nq - i0 : 3;
-            if (nq == 3) att_scores8(3, M, Q, i0, kat, t, scale);
-            else if (nq == 2) att_scores8(2, M, Q, i0, kat, t, scale);
-            else att_scores8(1, M, Q, i0, kat, t, scale);
-          }
-        }
-#endif
-      for (; t < nmax && t < t0 + ps; t++)
-        for (int i = 0; i < Q->nq; i++)
-          if (t < Q->n[i]) Q->p[i][t] = dot_kv(M, Q->q[i], M->pool_k, at + (int64_t)(t - t0) * D, D) * scale;
-    }
-  }
+  if (Q->nq >= ATT_LANES_MIN) att_scores_lanes(M, Q, head, pg, scale, qt, tmp);
+  else att_scores_few(M, Q, head, pg, scale);
   float inv[ATT_MAXQ];
   for (int i = 0; i < Q->nq; i++) {
-    const int e = Q->n[i] < Q->hi ? Q->n[i] : Q->hi;
+    const int e = q_stop(Q, i);
     const float mx = max_of(Q->p[i] + Q->lo, e - Q->lo);
     const float sum = exp_sum(Q->p[i] + Q->lo, e - Q->lo, mx);
     inv[i] = 1.0f / sum;
@@ -463,7 +464,7 @@ static void att_item(const Model* M, int l, int j, const Queries* Q, const int64
     return;
   }
   for (int i = 0; i < Q->nq; i++) {  /* another head size: the output in memory */
-    const int e = Q->n[i] < Q->hi ? Q->n[i] : Q->hi;
+    const int e = q_stop(Q, i);
     for (int d = 0; d < D; d++) Q->o[i][d] = 0;
     for (int t0 = Q->lo; t0 < e; t0 += ps) {
       const int64_t at = page_walk(M, M->pool_v, head, pg, t0, Q->lo, e);
