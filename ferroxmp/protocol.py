@@ -3,7 +3,7 @@
 Messages are msgspec Structs in one tagged union, encoded as msgpack — never
 pickle, so a foreign or truncated frame cannot execute anything; it raises
 `ProtocolError`, which a receiver logs and drops. Token arrays travel as packed
-little-endian int32 bytes (`pack_ids` / `unpack_ids`).
+little-endian int32 bytes (`pack_ids` / `unpack_ids`, `unpack_id_list`).
 
 Only deltas travel: a new row carries its token ids and sampling parameters once
 (`NewRow`); after that a step names the row, its start position and its length
@@ -12,6 +12,8 @@ Only deltas travel: a new row carries its token ids and sampling parameters once
 from __future__ import annotations
 
 import os
+import sys
+from array import array
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import msgspec
@@ -24,21 +26,39 @@ class ProtocolError(ValueError):
     """A frame that is not a valid ferroxmp message (truncated, foreign, wrong shape)."""
 
 
-def _numpy():
-    """numpy, imported at first use: the supervisor speaks this protocol but never packs
-    token ids, and numpy's import would stay ~15 MB of its ~39 MB resident set."""
-    import numpy
-    return numpy
+# Token ids pack through the stdlib's array, not numpy: the frontend and supervisor
+# never import numpy (~10 MB resident each); the scheduler and worker unpack to arrays.
+assert array("i").itemsize == 4, "token ids are int32 on the wire"
+_SWAP = sys.byteorder == "big"  # the wire is little-endian
 
 
 def pack_ids(ids) -> bytes:
-    return _numpy().asarray(ids, dtype="<i4").tobytes()
+    if hasattr(ids, "astype"):  # a numpy array packs itself, without a Python loop
+        return ids.astype("<i4", copy=False).tobytes()
+    a = array("i", ids)
+    if _SWAP:
+        a.byteswap()
+    return a.tobytes()
+
+
+def _checked(buf: bytes) -> bytes:
+    if len(buf) % 4:
+        raise ProtocolError(f"token array of {len(buf)} bytes is not a whole number of int32")
+    return buf
 
 
 def unpack_ids(buf: bytes) -> np.ndarray:
-    if len(buf) % 4:
-        raise ProtocolError(f"token array of {len(buf)} bytes is not a whole number of int32")
-    return _numpy().frombuffer(buf, dtype="<i4")
+    import numpy  # at first use: the processes that call this already have it
+    return numpy.frombuffer(_checked(buf), dtype="<i4")
+
+
+def unpack_id_list(buf: bytes) -> list[int]:
+    """The ids as a list, without numpy (the frontend's side of `unpack_ids`)."""
+    a = array("i")
+    a.frombytes(_checked(buf))
+    if _SWAP:
+        a.byteswap()
+    return a.tolist()
 
 
 class Grammar(msgspec.Struct, array_like=True):

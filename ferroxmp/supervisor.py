@@ -32,12 +32,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from typing import Optional
 
 import zmq
 
 from ferroxmp.config import ServerArgs, setup_logging
+from ferroxmp.forked import in_child
 from ferroxmp.liveness import Monitor, process_state
 from ferroxmp.protocol import ProtocolError, Ready, Shutdown, decode, encode, endpoints
 from ferroxmp.shm_names import remove_dead_segments, segment_name
@@ -297,44 +297,6 @@ def _checked_model(args: ServerArgs) -> list:
     resolve_model(args)  # None -> the default model, 'demo' -> random weights; a GGUF is checked
     validate_checkpoint(args.model)  # the whole file, before any child starts (a CheckpointError: exit 2)
     return [args.model, args.served_model_name]
-
-
-def in_child(fn, *fn_args):
-    """fn(*fn_args) in a forked child; its JSON result, or its OSError / ValueError again
-    as a ValueError with the same message. Why: checking a checkpoint imports gguf and
-    tokenizers (the demo model: torch) and reads the whole file, removing dead servers'
-    segments imports numpy (page_pool.py); in the supervisor that memory would stay
-    resident for the server's life (~27 + 15 MB of a 65 MB process), in a child it goes
-    back to the system when the child exits. Call it before any thread or
-    ZMQ context exists (a fork copies only the calling thread)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: answer through the pipe, never return into the caller
-        code = 1
-        try:
-            os.close(r)
-            try:
-                out = {"result": fn(*fn_args)}
-            except (OSError, ValueError) as e:
-                out = {"error": str(e) or type(e).__name__}
-            with os.fdopen(w, "w") as f:
-                json.dump(out, f)
-            code = 0
-        except BaseException:  # a bug: its traceback on stderr, no answer (os._exit drops it)
-            traceback.print_exc()
-        finally:
-            logging.shutdown()
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r) as f:
-        answer = f.read()
-    _, status = os.waitpid(pid, 0)
-    if not answer:
-        raise ValueError(f"the check ended without an answer (exit code {os.waitstatus_to_exitcode(status)})")
-    out = json.loads(answer)
-    if "error" in out:
-        raise ValueError(out["error"])
-    return out["result"]
 
 
 def serve(args: ServerArgs) -> int:

@@ -111,6 +111,24 @@ def test_a_repeated_input_hits_the_cache_gives_the_same_vector_and_holds_no_page
     assert pages_leaked(server.url) == 0
 
 
+def test_the_frontend_and_supervisor_serve_without_numpy(server):
+    """numpy is ~10 MB resident a process (issue 30's memory target): after a chat stream,
+    a completion and embeddings in both encodings, the frontend and the supervisor must
+    still not have its library mapped (a request-time import would put it back)."""
+    ids = _ids(server.url, TEXTS[0])
+    for body in ({"input": TEXTS[0]}, {"input": [ids], "encoding_format": "base64", "dimensions": 8}):
+        assert requests.post(server.url + "/v1/embeddings", json=body).status_code == 200
+    r = requests.post(server.url + "/v1/chat/completions", stream=True, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True})
+    assert r.status_code == 200 and b"[DONE]" in r.content
+    assert requests.post(server.url + "/v1/completions", json={"prompt": ids, "max_tokens": 2}).status_code == 200
+    procs = server.info["processes"]
+    for name in ("frontend", "supervisor", "scheduler"):
+        with open(f"/proc/{procs[name]}/maps") as f:
+            has_numpy = "_multiarray_umath" in f.read()
+        assert has_numpy == (name == "scheduler"), name  # the scheduler's page table is numpy
+
+
 @pytest.mark.parametrize("body,param", [
     ({"input": "x", "pooling": "mean"}, "pooling"),
     ({}, "input"),

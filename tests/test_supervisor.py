@@ -243,7 +243,7 @@ def test_in_child_returns_the_answer_relays_a_refusal_and_survives_a_dead_child(
     """The checkpoint check runs in a forked child (its memory leaves with it): its
     answer, its refusal (by message) and a child that dies without answering each come
     back to the supervisor, which is unchanged (no child left, same process)."""
-    from ferroxmp.supervisor import in_child
+    from ferroxmp.forked import in_child
     assert in_child(_answer, 21) == [21, 42]
     with pytest.raises(ValueError, match="/x.gguf: no such checkpoint"):
         in_child(_refuse, "/x.gguf")

@@ -74,10 +74,27 @@ def _token_str(v: Any) -> Optional[str]:
     return v if isinstance(v, str) else None
 
 
+def _gguf_text(path: str, as_json: bool = True) -> tuple:
+    """Tokenizer (as JSON for a pipe), special tokens and chat template from a GGUF file's metadata."""
+    from ferroxmp.checkpoint import gguf_tokenizer
+    from ferroxmp.checkpoint.gguf_file import open_gguf
+    g = open_gguf(path)
+    tok = gguf_tokenizer.build_tokenizer(g)
+    return (tok.to_str() if as_json else tok), gguf_tokenizer.special_tokens(g), gguf_tokenizer.chat_template(g)
+
+
 class TextCodec:
-    def __init__(self, model_path: str):
+    def __init__(self, model_path: str, gguf_in_child: bool = False):
+        """gguf_in_child: read a GGUF file's tokenizer in a forked child (forked.in_child),
+        for a process that must not keep numpy and gguf resident (the frontend: ~12 MB);
+        only before the process has threads."""
         if is_gguf(model_path):
-            self._init_gguf(model_path)
+            if gguf_in_child:
+                from ferroxmp.forked import in_child
+                tok_json, self.special_tokens, self.chat_template = in_child(_gguf_text, model_path)
+                self.tok = Tokenizer.from_str(tok_json)
+            else:
+                self.tok, self.special_tokens, self.chat_template = _gguf_text(model_path, as_json=False)
         else:
             self._init_folder(model_path)
         # The decoder's own JSON, not the whole tokenizer's (to_str() of a 49k vocabulary
@@ -99,15 +116,6 @@ class TextCodec:
             if value is not None:
                 self.special_tokens[name] = value
         self.chat_template = self._load_template(model_dir, config)
-
-    def _init_gguf(self, path: str) -> None:
-        """Tokenizer, special tokens and chat template from the file's metadata."""
-        from ferroxmp.checkpoint import gguf_tokenizer
-        from ferroxmp.checkpoint.gguf_file import open_gguf
-        g = open_gguf(path)
-        self.tok = gguf_tokenizer.build_tokenizer(g)
-        self.special_tokens = gguf_tokenizer.special_tokens(g)
-        self.chat_template = gguf_tokenizer.chat_template(g)
 
     @staticmethod
     def _load_template(model_dir: str, config: dict) -> Optional[str]:

@@ -28,7 +28,7 @@ from ferroxmp.frontend.bridge import SHUTDOWN, Bridge
 from ferroxmp.frontend.text.detokenizer import Detokenizer, StopMatcher
 from ferroxmp.frontend.errors import ApiError
 from ferroxmp.frontend.metrics import Metrics
-from ferroxmp.protocol import GenerateReq, Logprobs, RowOut, SamplingParams, pack_ids, unpack_ids
+from ferroxmp.protocol import GenerateReq, Logprobs, RowOut, SamplingParams, pack_ids, unpack_id_list
 
 log = logging.getLogger("ferroxmp.frontend")
 
@@ -167,7 +167,7 @@ class Generation:
 
     def _apply(self, c: Choice, out: RowOut) -> Delta:
         now = time.time()
-        ids = unpack_ids(out.token_ids).tolist()
+        ids = unpack_id_list(out.token_ids)
         if out.prompt_tokens:
             c.prompt_tokens, c.cached_tokens = out.prompt_tokens, out.cached_tokens
         if out.embedding:

@@ -129,7 +129,7 @@ def run_frontend(args: dict, run_dir: str, worker_info: dict, pids: dict) -> int
     signal.signal(signal.SIGINT, on_term)
     signal.signal(signal.SIGHUP, on_hup)
 
-    codec = TextCodec(args["model"])
+    codec = TextCodec(args["model"], gguf_in_child=True)  # before any thread: it forks
     metrics = Metrics(int(worker_info.get("num_pages") or 0))
     bridge = Bridge(run_dir, on_stats=metrics.update_stats, liveness=Heartbeat(run_dir, "frontend"))
     bridge.start()
