@@ -7,7 +7,7 @@ Llama 3 rope scaling as a `rope_freqs.weight` tensor of divisors, 1-D tensors ke
 F32, tokenizer metadata from tokenizer.json (tokens, token types, merges via
 gguf.SpecialVocab, which also writes the special ids, add_bos flag and chat template).
 
-`quantize_q4_k` / `quantize_q6_k` are plain (not llama.cpp's optimised) quantizers:
+`quantize_q4_k` / `quantize_q5_k` / `quantize_q6_k` are plain (not llama.cpp's optimised) quantizers:
 the gguf package can only dequantize K-quants. Their blocks are laid out as
 `gguf.quants` reads them; tests check the round trip before trusting them.
 """
@@ -32,11 +32,12 @@ def _fp16(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16)
 
 
-def quantize_q4_k(w: np.ndarray) -> np.ndarray:
-    """x ~ d*sc_j*q - dmin*m_j per 32-value sub-block j, q in 0..15, sc/m 6-bit."""
+def _k_scales_and_values(w: np.ndarray, levels: int) -> tuple:
+    """Q4_K / Q5_K's shared part: x ~ d*sc_j*q - dmin*m_j per 32-value sub-block j, q in
+    0..levels, sc/m 6-bit packed in 12 bytes. Returns (d, dmin, scales, q [blocks, 8, 32])."""
     x = w.astype(np.float32).reshape(-1, 8, 32)
     lo = np.minimum(x.min(axis=2), 0.0)
-    scale, mins = (x.max(axis=2) - lo) / 15.0, -lo
+    scale, mins = (x.max(axis=2) - lo) / levels, -lo
     d = _fp16(scale.max(axis=1) / 63.0)
     dmin = _fp16(mins.max(axis=1) / 63.0)
     df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
@@ -44,14 +45,36 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     m = np.clip(np.round(np.divide(mins, dminf, out=np.zeros_like(mins), where=dminf > 0)), 0, 63).astype(np.uint8)
     step = (df * sc)[:, :, None]
     q = np.divide(x + (dminf * m)[:, :, None], step, out=np.zeros_like(x), where=step > 0)
-    q = np.clip(np.round(q), 0, 15).astype(np.uint8)
+    q = np.clip(np.round(q), 0, levels).astype(np.uint8)
     scales = np.zeros((x.shape[0], 12), dtype=np.uint8)
     scales[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
     scales[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
     scales[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
-    q = q.reshape(-1, 4, 2, 32)
-    qs = (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(-1, 128)
-    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], axis=1)
+    return d, dmin, scales, q
+
+
+def _nibbles(q: np.ndarray) -> np.ndarray:
+    """Sub-blocks 2i and 2i+1 as the low and high nibbles of 32 bytes each (128 bytes)."""
+    q = (q & 15).reshape(-1, 4, 2, 32)
+    return (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(-1, 128)
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """x ~ d*sc_j*q - dmin*m_j per 32-value sub-block j, q in 0..15, sc/m 6-bit."""
+    d, dmin, scales, q = _k_scales_and_values(w, 15)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales,
+                             _nibbles(q)], axis=1)
+    return blocks.reshape(w.shape[0], -1)
+
+
+def quantize_q5_k(w: np.ndarray) -> np.ndarray:
+    """Q4_K with q in 0..31: the fifth bit of sub-block j's value l is bit j of qh[l]."""
+    d, dmin, scales, q = _k_scales_and_values(w, 31)
+    qh = np.zeros((q.shape[0], 32), dtype=np.uint8)
+    for j in range(8):
+        qh |= (q[:, j, :] >> 4) << j
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales,
+                             qh, _nibbles(q)], axis=1)
     return blocks.reshape(w.shape[0], -1)
 
 
@@ -81,6 +104,8 @@ def encode_tensor(w: np.ndarray, qtype: Q) -> tuple[np.ndarray, Q]:
         return w.astype(np.float16), Q.F16
     if qtype == Q.Q4_K:
         return quantize_q4_k(w), qtype
+    if qtype == Q.Q5_K:
+        return quantize_q5_k(w), qtype
     if qtype == Q.Q6_K:
         return quantize_q6_k(w), qtype
     return gguf.quants.quantize(w.astype(np.float32), qtype), qtype

@@ -28,7 +28,7 @@ from ferroxmp.checkpoint.gguf_file import open_gguf
 from ferroxmp.checkpoint.gguf_tokenizer import build_tokenizer
 from ferroxmp.frontend.text.tokenizer import TextCodec
 from ferroxmp.gpu_worker.loader import UnsupportedModel, load_config, load_weights
-from gguf_writer import quantize_q4_k, quantize_q6_k, write_gguf
+from gguf_writer import quantize_q4_k, quantize_q5_k, quantize_q6_k, write_gguf
 from serverproc import ServerProcess
 
 pytestmark = pytest.mark.timeout(300)
@@ -63,12 +63,12 @@ def folder_in_dtype(src: str, dtype: str, out: str) -> str:
 
 
 def test_the_k_quant_writers_round_trip_through_gguf_dequantize():
-    """The test writer's own Q4_K / Q6_K packers (gguf can only unpack K-quants): a
-    packing bug would make every Q4_K/Q6_K comparison below meaningless, so pin that
+    """The test writer's own Q4_K / Q5_K / Q6_K packers (gguf can only unpack K-quants): a
+    packing bug would make every K-quant comparison below meaningless, so pin that
     gguf's dequantizer reads back what was meant, within each format's step size."""
     from gguf.quants import dequantize
     w = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32)
-    for qtype, pack, steps in ((Q.Q4_K, quantize_q4_k, 15), (Q.Q6_K, quantize_q6_k, 63)):
+    for qtype, pack, steps in ((Q.Q4_K, quantize_q4_k, 15), (Q.Q5_K, quantize_q5_k, 31), (Q.Q6_K, quantize_q6_k, 63)):
         back = dequantize(pack(w), qtype)
         step = (w.max() - w.min()) / steps
         assert back.shape == w.shape
@@ -167,9 +167,9 @@ def test_f32_f16_bf16_ggufs_serve_exactly_the_folders_greedy_tokens_over_http(ti
 
 # Relative RMS logit error allowed, ||got - want|| / ||want - mean(want)|| at the last
 # position of each prompt, about twice what random-weight tiny models measure (Q8_0 0.015,
-# Q6_K 0.065, Q5_x 0.09-0.11, Q4_x 0.2-0.27 with the writer's plain K-quant packer).
+# Q6_K 0.065, Q5_0/Q5_1 0.09-0.11, Q5_K 0.12, Q4_x 0.2-0.27 with the writer's plain K-quant packers).
 # A file whose Q/K rows are in the wrong order measures 0.27-0.5.
-QUANT_TOL = {Q.Q8_0: 0.03, Q.Q6_K: 0.12, Q.Q5_1: 0.17, Q.Q5_0: 0.2, Q.Q4_1: 0.35, Q.Q4_0: 0.4, Q.Q4_K: 0.45}
+QUANT_TOL = {Q.Q8_0: 0.03, Q.Q6_K: 0.12, Q.Q5_K: 0.25, Q.Q5_1: 0.17, Q.Q5_0: 0.2, Q.Q4_1: 0.35, Q.Q4_0: 0.4, Q.Q4_K: 0.45}
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -190,7 +190,7 @@ def test_a_quantized_gguf_stays_within_the_stated_logit_tolerance_of_its_folder(
     row order lands far outside it. K-quants need rows of 256: the demo shape
     (hidden 256); the others use the tiny llama (rows of 64)."""
     from ferroxmp.tiny_model import build_model
-    shape = "demo" if qtype in (Q.Q4_K, Q.Q6_K) else "llama"
+    shape = "demo" if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else "llama"
     folder = tiny_models.get(shape) or build_model(shape, str(gguf_dir / shape))
     tiny_models.setdefault(shape, folder)
     path = write_gguf(folder, str(gguf_dir / f"{shape}-{qtype.name}.gguf"), qtype)

@@ -35,7 +35,8 @@ from int4_oracle import product_and_bound
 
 pytestmark = pytest.mark.timeout(300)
 CPU = torch.device("cpu")
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q6_K]  # Q5_K: the test writer has no packer
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # rows of 256 values: the demo shape
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def gguf_of(tiny_models, tmp_path_factory):
 
     def make(qtype: Q) -> str:
         if qtype not in made:
-            shape = "demo" if qtype in (Q.Q4_K, Q.Q6_K) else "llama"
+            shape = "demo" if qtype in K_QUANTS else "llama"
             folder = tiny_models.get(shape) or build_tiny(shape, str(root / shape))
             tiny_models.setdefault(shape, folder)
             made[qtype] = write_gguf(folder, str(root / f"{shape}-{qtype.name}.gguf"), qtype)

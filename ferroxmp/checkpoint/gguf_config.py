@@ -31,7 +31,7 @@ from .limits import INT_LIMITS, CheckpointError, GGUFUnsupported, bad, float_fie
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "mistral": ("MistralForCausalLM", "mistral"),
                  "qwen2": ("Qwen2ForCausalLM", "qwen2"), "qwen3": ("Qwen3ForCausalLM", "qwen3")}
 # Tensor types whose dequantization the tests check against the source weights.
-TENSOR_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q6_K)
+TENSOR_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 _TORCH_DTYPE = {Q.F32: "float32", Q.F16: "float16", Q.BF16: "bfloat16"}
 
 
