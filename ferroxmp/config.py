@@ -77,8 +77,10 @@ class ServerArgs:
                                     "flight (as --disable-overlap).")
     draft_quantization: str = _f("auto", "--quantization for the --draft-model's weights (the same modes, the "
                                  "same auto rule).", ["auto", "none", "fp16", "int8", "int4"])
-    num_speculative_tokens: int = _f(8, "Most tokens drafted per row and step with --speculative-ngram or "
-                                     "--draft-model. On CPU a step verifies at most 16 tokens (its decode rows "
+    num_speculative_tokens: int = _f(15, "Most tokens drafted per row and step with --speculative-ngram or "
+                                     "--draft-model. A row's first draft is at most 8; a draft accepted whole "
+                                     "lets the next be twice as long, one cut short halves it. "
+                                     "On CPU a step verifies at most 16 tokens (its decode rows "
                                      "and their drafts, shared evenly): past that each token costs what a "
                                      "decoded one does, so a step of 9 or more decode rows drafts nothing.")
     disable_cuda_graph: bool = _f(False, "On CUDA, run decode steps eagerly instead of replaying CUDA graphs "

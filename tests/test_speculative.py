@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine import LocalEngine
-from ferroxmp.gpu_worker.sampling.ngram import MAX_SKIP, Backoff, propose
+from ferroxmp.gpu_worker.sampling.ngram import FIRST_LENGTH, MAX_LENGTH, MAX_SKIP, Backoff, propose
 from ferroxmp.protocol import Grammar
 from serverproc import greedy_completion, metric, serving
 
@@ -42,6 +42,53 @@ def test_backoff_skips_more_steps_after_each_rejected_draft_and_resets_on_an_acc
     b.verified(4, 2)
     b.verified(4, 0)
     assert b.skip == 1, "an accepted token resets the back-off"
+
+
+def test_a_draft_grows_while_accepted_whole_and_shrinks_when_cut_short():
+    b = Backoff()
+    assert b.length == FIRST_LENGTH
+    b.verified(8, 8)
+    assert b.length == 16 == MAX_LENGTH
+    b.verified(15, 15)
+    assert b.length == MAX_LENGTH  # capped
+    b.verified(15, 3)
+    assert b.length == 8  # halved
+    b.verified(8, 6)
+    assert b.length == 7  # the accepted run and one more, not less
+    b.verified(7, 0)
+    assert b.length == 3 and b.skip == 1  # nothing accepted: shorter, and a skipped step
+
+
+def test_the_runner_drafts_the_length_the_row_earned(tiny_model, monkeypatch):
+    """An oracle drafter (the plain run's own tokens) is accepted whole, so each draft may
+    be longer, up to --num-speculative-tokens; a drafter that is always wrong gets shorter
+    drafts (and skipped steps). The output is the plain run's either way."""
+    from ferroxmp.gpu_worker import runner as runner_mod
+    prompt = np.random.default_rng(6).integers(5, 300, 20).tolist()
+
+    def run(drafter=None, asked=None):
+        eng = LocalEngine(tiny_model, num_pages=128, page_size=4, max_batch_tokens=64,
+                          spec_tokens=15 if drafter else 0)
+        if drafter:
+            def record(tokens, k):
+                asked.append(k)
+                return drafter(tokens, k)
+            monkeypatch.setattr(runner_mod, "propose", record)
+        try:
+            return eng.generate(prompt, 60)
+        finally:
+            monkeypatch.undo()
+            eng.close()
+
+    want = run()
+    asked: list[int] = []
+    true_next = lambda tokens, k: want[len(tokens) - len(prompt):][:k]  # noqa: E731
+    assert run(true_next, asked) == want
+    assert asked[:2] == [FIRST_LENGTH, 15], asked
+    asked.clear()
+    wrong_next = lambda tokens, k: [(t + 1) % 1000 for t in want[len(tokens) - len(prompt):][:k]]  # noqa: E731
+    assert run(wrong_next, asked) == want
+    assert asked[:3] == [FIRST_LENGTH, FIRST_LENGTH // 2, FIRST_LENGTH // 4], asked
 
 
 def _prompts(model_out: list[int], rng) -> list[list[int]]:
