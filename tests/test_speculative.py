@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine import LocalEngine
-from ferroxmp.gpu_worker.sampling.ngram import FIRST_LENGTH, MAX_LENGTH, MAX_SKIP, Backoff, propose
+from ferroxmp.gpu_worker.sampling.ngram import MAX_LENGTH, MAX_SKIP, Backoff, propose
 from ferroxmp.protocol import Grammar
 from serverproc import greedy_completion, metric, serving
 
@@ -44,19 +44,20 @@ def test_backoff_skips_more_steps_after_each_rejected_draft_and_resets_on_an_acc
     assert b.skip == 1, "an accepted token resets the back-off"
 
 
-def test_a_draft_grows_while_accepted_whole_and_shrinks_when_cut_short():
+def test_a_draft_is_twice_the_run_its_drafts_had_accepted_lately():
     b = Backoff()
-    assert b.length == FIRST_LENGTH
-    b.verified(8, 8)
-    assert b.length == 16 == MAX_LENGTH
-    b.verified(15, 15)
+    assert b.length == 8
+    b.verified(8, 8)  # run (3.5 + 8) / 2
+    assert b.length == 12
+    b.verified(12, 12)
     assert b.length == MAX_LENGTH  # capped
-    b.verified(15, 3)
-    assert b.length == 8  # halved
-    b.verified(8, 6)
-    assert b.length == 7  # the accepted run and one more, not less
-    b.verified(7, 0)
-    assert b.length == 3 and b.skip == 1  # nothing accepted: shorter, and a skipped step
+    b.verified(15, 6)  # a long run cut short: still long (copying breaks, then resumes)
+    assert b.length == 15
+    for _ in range(3):
+        b.verified(b.length, 1)
+    assert b.length == 4  # drafts breaking after a token: short ones
+    b.verified(4, 0)
+    assert b.length == 2 and b.skip == 1  # nothing accepted: shorter, and a skipped step
 
 
 def test_the_runner_drafts_the_length_the_row_earned(tiny_model, monkeypatch):
@@ -84,11 +85,11 @@ def test_the_runner_drafts_the_length_the_row_earned(tiny_model, monkeypatch):
     asked: list[int] = []
     true_next = lambda tokens, k: want[len(tokens) - len(prompt):][:k]  # noqa: E731
     assert run(true_next, asked) == want
-    assert asked[:2] == [FIRST_LENGTH, 15], asked
+    assert asked[:3] == [8, 12, 15], asked
     asked.clear()
     wrong_next = lambda tokens, k: [(t + 1) % 1000 for t in want[len(tokens) - len(prompt):][:k]]  # noqa: E731
     assert run(wrong_next, asked) == want
-    assert asked[:3] == [FIRST_LENGTH, FIRST_LENGTH // 2, FIRST_LENGTH // 4], asked
+    assert asked[:3] == [8, 4, 2], asked
 
 
 def _prompts(model_out: list[int], rng) -> list[list[int]]:
