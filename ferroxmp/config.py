@@ -78,8 +78,8 @@ class ServerArgs:
     draft_quantization: str = _f("auto", "--quantization for the --draft-model's weights (the same modes, the "
                                  "same auto rule).", ["auto", "none", "fp16", "int8", "int4"])
     num_speculative_tokens: int = _f(15, "Most tokens drafted per row and step with --speculative-ngram or "
-                                     "--draft-model. A row's first draft is at most 8; a draft accepted whole "
-                                     "lets the next be twice as long, one cut short halves it. "
+                                     "--draft-model. A row's first draft is at most 8, then twice the tokens its "
+                                     "drafts accepted lately, plus one. "
                                      "On CPU a step verifies at most 16 tokens (its decode rows "
                                      "and their drafts, shared evenly): past that each token costs what a "
                                      "decoded one does, so a step of 9 or more decode rows drafts nothing.")
