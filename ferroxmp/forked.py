@@ -42,7 +42,7 @@ def in_child(fn, *fn_args):
         answer = f.read()
     _, status = os.waitpid(pid, 0)
     if not answer:
-        raise ValueError(f"the check ended without an answer (exit code {os.waitstatus_to_exitcode(status)})")
+        raise ValueError(f"the forked child ended without an answer (exit code {os.waitstatus_to_exitcode(status)})")
     out = json.loads(answer)
     if "error" in out:
         raise ValueError(out["error"])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine import LocalEngine
-from ferroxmp.gpu_worker.sampling.ngram import MAX_LENGTH, MAX_SKIP, Backoff, propose
+from ferroxmp.gpu_worker.sampling.ngram import MAX_SKIP, Backoff, propose
 from ferroxmp.protocol import Grammar
 from serverproc import greedy_completion, metric, serving
 
@@ -50,7 +50,7 @@ def test_a_draft_is_twice_the_run_its_drafts_had_accepted_lately():
     b.verified(8, 8)  # run (3.5 + 8) / 2
     assert b.length == 12
     b.verified(12, 12)
-    assert b.length == MAX_LENGTH  # capped
+    assert b.length == 18  # the budget (--num-speculative-tokens, at most 16) caps it
     b.verified(15, 6)  # a long run cut short: still long (copying breaks, then resumes)
     assert b.length == 15
     for _ in range(3):

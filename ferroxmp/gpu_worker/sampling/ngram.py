@@ -49,7 +49,6 @@ def propose(tokens, k: int) -> list[int]:
     return []
 
 
-MAX_LENGTH = 16  # the most a draft can be (--num-speculative-tokens caps it further)
 FIRST_RUN = 3.5  # a row's first draft: 2 * 3.5 + 1 = 8 tokens
 
 
@@ -61,8 +60,8 @@ class Backoff:
 
     @property
     def length(self) -> int:
-        """The next draft's most tokens."""
-        return min(int(2 * self.run) + 1, MAX_LENGTH)
+        """The next draft's most tokens (the scheduler's budget caps it: --num-speculative-tokens)."""
+        return int(2 * self.run) + 1
 
     def wants_draft(self) -> bool:
         if self.skip > 0:
