@@ -44,6 +44,16 @@ def test_backoff_skips_more_steps_after_each_rejected_draft_and_resets_on_an_acc
     assert b.skip == 1, "an accepted token resets the back-off"
 
 
+def _true_next(want: list[int], prompt: list[int]):
+    """An oracle drafter: the next k tokens of a plain run's output `want`."""
+    return lambda tokens, k: want[len(tokens) - len(prompt):][:k]
+
+
+def _wrong_next(want: list[int], prompt: list[int]):
+    """A drafter always wrong: the oracle's tokens, each moved by one."""
+    return lambda tokens, k: [(t + 1) % 1000 for t in want[len(tokens) - len(prompt):][:k]]
+
+
 def test_a_draft_is_twice_the_run_its_drafts_had_accepted_lately():
     b = Backoff()
     assert b.length == 8
@@ -83,12 +93,10 @@ def test_the_runner_drafts_the_length_the_row_earned(tiny_model, monkeypatch):
 
     want = run()
     asked: list[int] = []
-    true_next = lambda tokens, k: want[len(tokens) - len(prompt):][:k]  # noqa: E731
-    assert run(true_next, asked) == want
+    assert run(_true_next(want, prompt), asked) == want
     assert asked[:3] == [8, 12, 15], asked
     asked.clear()
-    wrong_next = lambda tokens, k: [(t + 1) % 1000 for t in want[len(tokens) - len(prompt):][:k]]  # noqa: E731
-    assert run(wrong_next, asked) == want
+    assert run(_wrong_next(want, prompt), asked) == want
     assert asked[:3] == [8, 4, 2], asked
 
 
@@ -167,12 +175,10 @@ def test_drafts_of_the_true_sample_are_all_accepted_at_temperature_one(tiny_mode
             eng.close()
 
     want, _, _ = run()
-    true_next = lambda tokens, k: want[len(tokens) - len(prompt):][:k]  # noqa: E731
-    got, drafted, accepted = run(true_next)
+    got, drafted, accepted = run(_true_next(want, prompt))
     assert got == want
     assert drafted > 10 and accepted == drafted, (drafted, accepted)
-    wrong_next = lambda tokens, k: [(t + 1) % 1000 for t in want[len(tokens) - len(prompt):][:k]]  # noqa: E731
-    got, drafted, accepted = run(wrong_next)
+    got, drafted, accepted = run(_wrong_next(want, prompt))
     assert got == want
     assert drafted > 0 and accepted == 0, (drafted, accepted)
 

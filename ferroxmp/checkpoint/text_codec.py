@@ -74,13 +74,13 @@ def _token_str(v: Any) -> Optional[str]:
     return v if isinstance(v, str) else None
 
 
-def _gguf_text(path: str, as_json: bool = True) -> tuple:
-    """Tokenizer (as JSON for a pipe), special tokens and chat template from a GGUF file's metadata."""
+def _gguf_text(path: str) -> tuple:
+    """Tokenizer (as its JSON: it may cross a pipe), special tokens and chat template from a
+    GGUF file's metadata."""
     from ferroxmp.checkpoint import gguf_tokenizer
     from ferroxmp.checkpoint.gguf_file import open_gguf
     g = open_gguf(path)
-    tok = gguf_tokenizer.build_tokenizer(g)
-    return (tok.to_str() if as_json else tok), gguf_tokenizer.special_tokens(g), gguf_tokenizer.chat_template(g)
+    return gguf_tokenizer.build_tokenizer(g).to_str(), gguf_tokenizer.special_tokens(g), gguf_tokenizer.chat_template(g)
 
 
 class TextCodec:
@@ -89,12 +89,10 @@ class TextCodec:
         for a process that must not keep numpy and gguf resident (the frontend: ~12 MB);
         only before the process has threads."""
         if is_gguf(model_path):
-            if gguf_in_child:
-                from ferroxmp.forked import in_child
-                tok_json, self.special_tokens, self.chat_template = in_child(_gguf_text, model_path)
-                self.tok = Tokenizer.from_str(tok_json)
-            else:
-                self.tok, self.special_tokens, self.chat_template = _gguf_text(model_path, as_json=False)
+            from ferroxmp.forked import in_child
+            read = in_child(_gguf_text, model_path) if gguf_in_child else _gguf_text(model_path)
+            tok_json, self.special_tokens, self.chat_template = read
+            self.tok = Tokenizer.from_str(tok_json)
         else:
             self._init_folder(model_path)
         # The decoder's own JSON, not the whole tokenizer's (to_str() of a 49k vocabulary

@@ -500,7 +500,8 @@ class ModelRunner:
         if not where:
             return {}
         try:
-            after = sample(logits[keep], samples).tolist()
+            # every row's drafts, unless a row failed to sample: no gather (a copy) then
+            after = sample(logits if len(keep) == len(logits) else logits[keep], samples).tolist()
         except Exception as e:  # the rows keep their sampled token; the drafts are dropped
             log.warning("verifying drafts failed (%s: %s); dropping them", type(e).__name__, e)
             return {}
