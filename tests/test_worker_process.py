@@ -47,7 +47,7 @@ def gone(pid: int) -> bool:
 
 
 class Session:
-    def __init__(self, model: str, launcher: bool = False):
+    def __init__(self, model: str, launcher: bool = False, env: dict | None = None):
         self.run_dir = tempfile.mkdtemp(prefix="fxw-")
         os.chmod(self.run_dir, 0o700)
         self.pool_name = f"fxt_{os.getpid()}_{secrets.token_hex(4)}"
@@ -64,7 +64,7 @@ class Session:
         self.batches = self.ctx.socket(zmq.PUSH)
         self.batches.setsockopt(zmq.LINGER, 0)
         self.batches.connect(ends["worker"])
-        env = {**os.environ, "PYTHONPATH": ROOT}
+        env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
         if launcher:  # a parent we can kill: it starts the worker, prints its pid, sleeps
             code = ("import subprocess, sys, time; p = subprocess.Popen(sys.argv[1:]); "
                     "print(p.pid, flush=True); time.sleep(600)")
@@ -113,8 +113,8 @@ class Session:
 def session(tiny_models):
     made = []
 
-    def start(shape="llama", launcher=False):
-        s = Session(tiny_models[shape], launcher)
+    def start(shape="llama", launcher=False, env=None):
+        s = Session(tiny_models[shape], launcher, env)
         made.append(s)
         return s
     yield start
@@ -164,6 +164,27 @@ def test_sigterm_stops_the_worker_and_frees_the_pool(session):
     s.recv(s.ready, 120)
     assert shm_exists(s.pool_name)
     s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(timeout=15) == 0
+    assert not shm_exists(s.pool_name)
+
+
+def test_a_sigterm_during_a_step_lets_the_step_answer_then_stops(session):
+    """Once serving, SIGTERM is a request the loop answers at its next turn, never an
+    exception raised wherever the worker happens to be (one raised inside a finalizer that
+    gc runs is swallowed, and a worker went on serving after it). The step under way (made
+    to compute for 2 s) still answers its row, then the worker exits 0 and frees the pool."""
+    busy = 9
+    s = session(env={"FERROXMP_FAULT_INJECT": f"forward_busy_token={busy}:2"})
+    s.recv(s.ready, 120)
+    s.pool = PagePool.attach(s.pool_name, writer=True)
+    s.pool.set_row(1, [0, 1], 0)
+    new = protocol.NewRow(1, pack_ids([busy] * 8), SamplingParams(temperature=0.0), 0)
+    s.batches.send(protocol.encode(ForwardBatch(1, [new], [RowStep(1, 0, 8, True)])))
+    time.sleep(0.7)  # the step is computing
+    s.proc.send_signal(signal.SIGTERM)
+    res = s.recv(s.results, 30)
+    assert isinstance(res, protocol.BatchResult) and res.batch_id == 1 and res.error is None
+    assert unpack_ids(res.rows).tolist() == [1]
     assert s.proc.wait(timeout=15) == 0
     assert not shm_exists(s.pool_name)
 

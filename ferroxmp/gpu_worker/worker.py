@@ -29,6 +29,7 @@ import math
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from typing import Optional
 
 # OpenMP reads its wait policy once, when torch loads it. A thread that finishes its part
@@ -62,8 +63,22 @@ log = logging.getLogger("ferroxmp.worker")
 POLL_MS = 500
 
 
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(0)
+@dataclass
+class Sigterm:
+    """SIGTERM's handler. While the worker loads, it ends the load at once (SystemExit: the
+    load's finally unlinks the pool). Once the worker is about to serve it only records the
+    request, and the loop returns at its next turn (the wake-up pipe ends its poll; a step
+    under way finishes first). An exception raised at an arbitrary point of serving could be
+    swallowed (a finalizer that gc runs reports it and goes on) or leave a half-made object
+    (a thread starting its socket) that held the exit up: a worker that kept serving after
+    SIGTERM (CI, stop 42)."""
+    serving: bool = False
+    asked: bool = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if not self.serving:
+            raise SystemExit(0)
+        self.asked = True
 
 
 def _cores() -> int:
@@ -78,7 +93,8 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
     parent = os.getppid()
     parent_alive = watch_parent(signal.SIGTERM)
     heart = Heartbeat(run_dir, "worker")
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    sigterm = Sigterm()
+    signal.signal(signal.SIGTERM, sigterm)
     local_ranks = sa.tp // sa.nnodes  # tensor-parallel ranks sharing this machine's cores
     torch.set_num_threads(sa.worker_threads or max(1, _cores() // local_ranks))
     model_path = sa.model
@@ -132,6 +148,7 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
             info["kv_tiers"] = tiers.describe()
             if tiers.disk is not None:
                 tiers.disk.faults = runner.faults
+        sigterm.serving = True  # from here a SIGTERM is a request the loop answers
         supervisor.send(protocol.encode(protocol.Ready(name="worker", pid=os.getpid(), info=info)))
         if tiers is not None:  # the index rebuilt from disk; queued until the scheduler binds
             results.send(protocol.encode(tiers.initial_report()))
@@ -140,7 +157,7 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
         # --tp only this rank samples, so only it compiles.
         prep = GrammarPrep(ctx, ends["worker_results"], lambda: runner.grammars, runner.faults)
         settle_after_start()
-        return _serve(runner, pull, results, parent_alive, heart, leader, prep, tiers)
+        return _serve(runner, pull, results, parent_alive, heart, sigterm, leader, prep, tiers)
     finally:
         if leader is not None:
             leader.stop()
@@ -223,12 +240,12 @@ def _sender(ctx: zmq.Context, endpoint: str):
 
 
 def _serve(runner: ModelRunner, pull: zmq.Socket, results: zmq.Socket, parent_alive, heart: Heartbeat,
-           leader=None, prep: Optional[GrammarPrep] = None, tiers=None) -> int:
+           sigterm: Sigterm, leader=None, prep: Optional[GrammarPrep] = None, tiers=None) -> int:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
-    wake = wake_on_signals(poller)  # SIGTERM (SystemExit in its handler) ends the poll at once
+    wake = wake_on_signals(poller)  # a SIGTERM ends the poll at once
     busy = False  # a message came since the last idle poll
-    while True:
+    while not sigterm.asked:
         heart.beat()
         ready = dict(poller.poll(POLL_MS))
         if wake in ready:
@@ -265,6 +282,8 @@ def _serve(runner: ModelRunner, pull: zmq.Socket, results: zmq.Socket, parent_al
             return 0
         else:
             log.warning("dropped an unexpected %s", type(msg).__name__)
+    log.info("SIGTERM: stopping")
+    return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:

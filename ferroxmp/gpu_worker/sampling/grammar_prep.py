@@ -10,7 +10,8 @@ Invariants:
   evicted from the LRU between its GrammarReady and its row is compiled again inline
   by the runner; the cache holds 256, so that needs 256 other specs in between.)
 - Every PrepareGrammar gets exactly one GrammarReady, whatever the compile raises.
-- A ZMQ socket is used by one thread only: each compile thread owns its socket.
+- A ZMQ socket is used by one thread only: each compile thread owns its socket (made
+  for it before it starts).
 - Threads are daemons: a compile still running when the worker exits never holds it
   up (the scheduler's --max-grammar-compile-seconds has answered that request with a
   400 already; llguidance's LLParserLimits bound the work of the compile itself).
@@ -33,21 +34,21 @@ THREADS = 2  # compiles at once: one slow spec does not hold up the next small o
 
 class GrammarPrep:
     def __init__(self, ctx: zmq.Context, endpoint: str, cache: Callable[[], object], faults=None):
-        self._ctx, self._endpoint, self._get_cache, self._faults = ctx, endpoint, cache, faults
+        self._get_cache, self._faults = cache, faults
         self._cache_lock = threading.Lock()  # the first compiles build the cache once
         self._jobs: "queue.Queue[Optional[protocol.PrepareGrammar]]" = queue.Queue()
-        self._threads = [threading.Thread(target=self._run, name=f"grammar-{i}", daemon=True)
-                         for i in range(THREADS)]
-        # Each thread's socket exists before the worker serves: a socket made after the
-        # worker's exit began to tear the context down (ctx.destroy closes the sockets it
-        # knows, then waits for all) would hold that exit up forever.
-        self._connected = threading.Barrier(THREADS + 1)
+        # The sockets are made here, before any thread starts (Thread.start is the memory
+        # barrier a socket needs to change threads), so the context knows each from the
+        # first: a worker whose exit began while a thread was still making its own socket
+        # waited forever in ctx.destroy (it closes the sockets it knows, then waits for all).
+        self._threads = []
+        for i in range(THREADS):
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            self._threads.append(threading.Thread(target=self._run, args=(sock,), name=f"grammar-{i}", daemon=True))
         for t in self._threads:
             t.start()
-        try:
-            self._connected.wait(timeout=30)
-        except threading.BrokenBarrierError:  # a thread that could not start: it answers nothing
-            log.error("grammar compile threads did not start")
 
     def submit(self, msg: protocol.PrepareGrammar) -> None:
         self._jobs.put(msg)
@@ -61,14 +62,7 @@ class GrammarPrep:
         for t in self._threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
 
-    def _run(self) -> None:
-        sock = self._ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self._endpoint)
-        try:
-            self._connected.wait(timeout=30)
-        except threading.BrokenBarrierError:
-            pass
+    def _run(self, sock: zmq.Socket) -> None:
         try:
             while (msg := self._jobs.get()) is not None:
                 sock.send(protocol.encode(self.prepare(msg)))
