@@ -23,9 +23,11 @@ from ferroxmp.gpu_worker.quant.packed import linear, cpu_f32_linear
 from ferroxmp.protocol import RowStep, SamplingParams, unpack_ids
 
 GREEDY = SamplingParams(temperature=0.0)
-# Rows of each fused call in _drive: every step of at most 16 tokens, i.e. the prefills of
-# p0 (11 tokens) and p2 (5) as well as the decode steps; the mixed step (34 tokens) eager.
-FUSED_CALLS = [11] + [1] * 7 + [2] * 3 + [5] + [3] * 3
+# (rows, the LM head in the call) of each fused call in _drive: every step of at most 16
+# tokens, i.e. the prefills of p0 (11 tokens) and p2 (5) as well as the decode steps; the
+# mixed step (34 tokens) eager. A decode step's logits come from its call (every token
+# samples); a prefill's from lm_head after it (only its last token does).
+FUSED_CALLS = [(11, False)] + [(1, True)] * 7 + [(2, True)] * 3 + [(5, False)] + [(3, True)] * 3
 
 
 def _drive(h) -> tuple[list[int], list[torch.Tensor], list[int]]:
@@ -38,7 +40,7 @@ def _drive(h) -> tuple[list[int], list[torch.Tensor], list[int]]:
     calls = []
     if h.runner.model.fused_decode is not None:
         inner = h.runner.model.fused_decode.fn
-        h.runner.model.fused_decode.fn = lambda *a: calls.append(a[1].value) or inner(*a)
+        h.runner.model.fused_decode.fn = lambda *a: calls.append((a[1].value, a[-1] is not None)) or inner(*a)
     out = {0: [], 1: [], 2: []}
     logits = []
 
@@ -111,7 +113,7 @@ def test_past_fused_rows_a_decode_step_runs_eagerly_with_the_same_tokens(tiny_mo
                          fused_decode=False)
     got, _, calls = _drive(fused)
     want, _, _ = _drive(eager)
-    assert calls == [1] * 7 + [2] * 3, calls  # the prefills and the three-row steps went eager
+    assert calls == [(1, True)] * 7 + [(2, True)] * 3, calls  # the prefills and the three-row steps went eager
     assert got == want
 
 

@@ -388,10 +388,16 @@ class ModelRunner:
         with torch.inference_mode():
             if self.tp is not None:
                 self.tp.send_step(plan, ids_np)
+            # Every token samples or verifies a draft: the fused step's call computes their
+            # logits too (None: it does not run here, and lm_head runs on `hidden` below).
+            step = None
             if self.graphs is not None and self.graphs.fits(plan):
                 hidden = self.graphs.forward(plan, ids_np)
             else:
-                hidden = self.model.forward(self._to_device(ids_np), self._to_device(plan.positions), self.attn)
+                ids, pos = self._to_device(ids_np), self._to_device(plan.positions)
+                every_samples = sum(s.sample for s in batch.steps) + sum(map(len, drafts.values())) == len(ids_np)
+                step = self.model.forward_logits(ids, pos, self.attn) if every_samples else None
+                hidden = step[0] if step is not None else self.model.forward(ids, pos, self.attn)
             prompt_lps = self._prompt_logprobs(batch, state, plan, hidden)
             embeddings = self._embeddings(batch, state, plan, hidden)
             sampling = [i for i, s in enumerate(batch.steps) if s.sample]
@@ -406,7 +412,11 @@ class ModelRunner:
             # One lm_head call for the sampled positions and the drafts' (the head's weights
             # read once a verify, not twice: ~0.8 ms of an int4 SmolLM2 verify's ~14)
             spans = [range(at + 1, at + 1 + len(drafts.get(r, ()))) for at, r in zip(last, rows)]
-            every = self._logits_at(hidden, torch.tensor(last + [i for s in spans for i in s], device=self.device))
+            index = last + [i for s in spans for i in s]
+            if step is None:
+                every = self._logits_at(hidden, torch.tensor(index, device=self.device))
+            else:  # in internal order already, unless several rows verify drafts
+                every = step[1] if index == list(range(len(index))) else step[1][index]
             logits, after = every[:len(last)], every[len(last):]
             want = [state[r] for r in rows]
             chosen, bad = sample_rows(logits, self._row_samples(want), self.faults)

@@ -159,11 +159,26 @@ class DecoderLM:
             return self.glue.rms(x, w, self.cfg.rms_norm_eps)
         return w * F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_norm_eps).to(x.dtype)
 
+    def _fused_target(self, tokens: int, attn: AttentionBackend):
+        """The fused step's page arguments where it runs this step, else None."""
+        fused = self.fused_decode
+        return attn.fused_decode_target() if fused is not None and tokens <= fused.max_rows else None
+
+    def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       attn: AttentionBackend) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """forward() and logits() of every token in one fused call -> (final hidden states,
+        float32 [T, vocab]); None where the step does not run fused with its head (the
+        caller runs forward and logits then)."""
+        at = self._fused_target(input_ids.shape[0], attn)
+        if at is None or not self.fused_decode.has_head:
+            return None
+        out = torch.empty(input_ids.shape[0], self.fused_decode.vocab)
+        return self.fused_decode(self.embed_ids(input_ids), positions, *at, logits=out), out
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [T] in the plan's internal order -> final hidden states [T, hidden]."""
-        fused = self.fused_decode
-        if fused is not None and input_ids.shape[0] <= fused.max_rows and (at := attn.fused_decode_target()) is not None:
-            return fused(self.embed_ids(input_ids), positions, *at)
+        if (at := self._fused_target(input_ids.shape[0], attn)) is not None:
+            return self.fused_decode(self.embed_ids(input_ids), positions, *at)
         cfg = self.cfg
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_w, kv_w = nh * hd, nkv * hd

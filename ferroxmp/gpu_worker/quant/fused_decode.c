@@ -52,6 +52,8 @@ typedef struct {
   int64_t pool_slots;
   int page_size;           /* slot = page * page_size + offset */
   int kv_f16;              /* --kv-cache-dtype float16 */
+  const float* norm;       /* the final RMSNorm's weight */
+  Lin head;                /* the LM head (n 0: one this file cannot multiply) */
 } Model;
 
 /* One head's K or V (n values) into the pool at element `at`. A float16 pool gets them
@@ -633,10 +635,13 @@ int64_t fused_decode_scratch(const Model* M, int R, int64_t span) {
 
 /* h [R][hidden]: the rows' embeddings in, their final hidden states out. cos/sin: the
    model's [positions][head_dim] tables; pos, slot: each row's position and pool slot;
-   pages[page_at[r] ..]: row r's pages in order (position t in page t / page_size). */
+   pages[page_at[r] ..]: row r's pages in order (position t in page t / page_size).
+   logits [R][vocab] (NULL: not wanted): every row's final norm and LM head, in this call.
+   Why here: between two native calls the step's Python ran with caches the layers' weights
+   had just swept, ~0.3 ms of a ~17 ms float32 step (docs/BENCHMARKS.md 29). */
 void fused_decode(const Model* M, int R, float* h, const float* cos, const float* sin,
                   const int64_t* pos, const int64_t* slot, const int64_t* page_at, const int64_t* pages,
-                  float* scratch) {
+                  float* scratch, float* logits) {
   const int H = M->heads, KVH = M->kv_heads, D = M->head_dim, E = M->hidden, I = M->inter;
   const int QKV = (H + 2 * KVH) * D;
   int64_t span = 0;
@@ -672,5 +677,9 @@ void fused_decode(const Model* M, int R, float* h, const float* cos, const float
     for (int r = 0; r < R; r++) silu_mul(gu + (int64_t)r * 2 * I, gu + (int64_t)r * 2 * I + I, a + (int64_t)r * I, I);
     lin(&L->down, R, a, y, xs);
     for (int64_t i = 0; i < (int64_t)R * E; i++) h[i] += y[i];
+  }
+  if (logits) {
+    for (int r = 0; r < R; r++) rms(h + (int64_t)r * E, M->norm, x + (int64_t)r * E, E, M->eps);
+    lin(&M->head, R, x, logits, xs);
   }
 }

@@ -43,7 +43,7 @@ class _Model(ctypes.Structure):
     _fields_ = [("layers", c_int), ("heads", c_int), ("kv_heads", c_int), ("head_dim", c_int),
                 ("hidden", c_int), ("inter", c_int), ("eps", c_float), ("layer", POINTER(_Layer)),
                 ("pool_k", c_void_p), ("pool_v", c_void_p), ("pool_slots", c_int64), ("page_size", c_int),
-                ("kv_f16", c_int)]
+                ("kv_f16", c_int), ("norm", c_void_p), ("head", _Lin)]
 
 
 def _addr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -91,7 +91,13 @@ class FusedDecode:
         self.m = _Model(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
                         cfg.intermediate_size, cfg.rms_norm_eps, layers,
                         kv.k.data_ptr(), kv.v.data_ptr(), kv.num_slots, kv.page_size,
-                        int(kv.dtype == torch.float16))
+                        int(kv.dtype == torch.float16), _float32(model.norm, self._keep))
+        # The final norm and LM head in the same call, where this file multiplies the head
+        # (float32 rows, int4/int8 blocks): `logits` then asks for them.
+        self.has_head = _fits(model.lm_head)
+        if self.has_head:
+            self.m.head = _lin(model.lm_head, None, self._keep)
+        self.vocab = model.lm_head.shape[0]
         self._scratch = torch.empty(0)
         self.max_rows = FUSED_ROWS  # steps of more rows run eagerly
 
@@ -120,10 +126,11 @@ class FusedDecode:
         return cls(model, kv, library()), None
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_at: torch.Tensor,
-                 pages: torch.Tensor) -> torch.Tensor:
+                 pages: torch.Tensor, logits: Optional[torch.Tensor] = None) -> torch.Tensor:
         """h [R, hidden] float32 (the rows' embeddings, overwritten) -> their final hidden
         states. positions, slots: int64 [R] on CPU, each row's position and pool slot;
-        pages[page_at[r]:page_at[r + 1]]: row r's pages (int64), first to last."""
+        pages[page_at[r]:page_at[r + 1]]: row r's pages (int64), first to last. logits
+        [R, vocab] float32 (only where has_head): filled with every row's logits."""
         m, rows = self.m, h.shape[0]
         pos = positions.to(torch.int64).contiguous()  # the backend's slot and page tensors are int64 already
         need = self.scratch_floats(ctypes.byref(m), c_int(rows), c_int64(int(pos.max()) + 1))
@@ -131,5 +138,6 @@ class FusedDecode:
             self._scratch = torch.empty(2 * need)
         h = h.contiguous()
         self.fn(ctypes.byref(m), c_int(rows), ptr(h), ptr(self.model.cos_table), ptr(self.model.sin_table),
-                ptr(pos), ptr(slots), ptr(page_at), ptr(pages), ptr(self._scratch))
+                ptr(pos), ptr(slots), ptr(page_at), ptr(pages), ptr(self._scratch),
+                None if logits is None else ptr(logits))
         return h
