@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from ferroxmp.gpu_worker.sampling.sampler import RowSample, apply_penalties, gumbel_noise, sample
+from ferroxmp.gpu_worker.sampling.sampler import RowSample, apply_penalties, argmax, gumbel_noise, sample
 from ferroxmp.protocol import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -61,6 +61,22 @@ def test_top_k_top_p_and_min_p_keep_exactly_their_candidates():
     keep = {i for i in range(8) if p[i] >= 0.1 * p.max()}
     assert set(draws(logits, SamplingParams(min_p=0.1), 600)) == keep
     assert draws(logits, SamplingParams(top_p=1e-6), 50) == [0] * 50
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_argmax_picks_what_torch_picks_ties_nan_and_strided_rows_included(dtype):
+    """The CPU argmax (numpy's) against torch's own: the first of equal maxima, a NaN as
+    the largest, rows of a strided view, an inference tensor."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 4099, generator=g, dtype=dtype)
+    x[1, 7] = x[1, 4000] = float("nan")
+    x[2, 3] = x[2, 9] = x[2, 4098] = 1e3
+    x[3] = 0.0
+    x[4, -1] = float("inf")
+    for t in (x, x[:, ::3], x[::2]):
+        with torch.inference_mode():
+            got = argmax(t.clone())
+        assert got.dtype == torch.int64 and got.tolist() == t.argmax(dim=-1).tolist()
 
 
 def test_top_k_1_and_temperature_0_are_greedy():

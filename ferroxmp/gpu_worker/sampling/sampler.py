@@ -154,21 +154,30 @@ def _filter(scaled: torch.Tensor, rows: Sequence[RowSample]) -> torch.Tensor:
     return scaled.masked_fill(drop, float("-inf"))
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value (the first of equal ones; a NaN counts as the
+    largest, as in torch). On CPU through numpy: torch's CPU argmax took 43 us over
+    SmolLM2's 49,152 logits, numpy's 3 us."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(x.numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, rows: Sequence[RowSample]) -> torch.Tensor:
     """logits [N, vocab] float32 (raw model output) -> chosen token ids [N] int64."""
     if any(r.constrained for r in rows):  # unconstrained batches skip this entirely
         logits = apply_constraints(logits, rows)
     if not any(r.params.has_penalties for r in rows) and all(r.params.greedy for r in rows):
-        return logits.argmax(dim=-1)
+        return argmax(logits)
     logits = apply_penalties(logits, rows)
-    out = logits.argmax(dim=-1)
+    out = argmax(logits)
     rand = [i for i, r in enumerate(rows) if not r.params.greedy]
     if rand:
         sub = [rows[i] for i in rand]
         temp = torch.tensor([r.params.temperature for r in sub], device=logits.device)[:, None]
         scaled = _filter(logits[rand] / temp, sub)
         noise = gumbel_noise([r.seed for r in sub], [r.position for r in sub], logits.shape[1], logits.device)
-        out[rand] = (scaled.double() + noise).argmax(dim=-1)
+        out[rand] = argmax(scaled.double() + noise)
     return out
 
 
