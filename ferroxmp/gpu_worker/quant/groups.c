@@ -117,11 +117,22 @@ static inline __attribute__((always_inline)) void rows_times(int n, int M, int N
    order here whatever the step's row count (1 .. STREAM_ROWS): a speculative verify of up
    to 5 drafts rounds as one-token steps do (a longer one within float rounding). */
 #define STREAM_ROWS 6
+/* Each line of the stream is also prefetched non-temporally (PREFETCHNTA) 320 bytes, five
+   lines, before its load. What it changes is the rest of the step: a one-row float32 step
+   reads ~520 MB once, and as plain loads those lines swept the caches, so that attention's
+   code and K/V and the step's Python came back from DRAM at every layer and step (an
+   attention work item took 19 us cold against 3 warm). One-row SmolLM2 step, alternated
+   with the same step without: 9.4-9.6 vs 10.4-10.5 ms (-9%) while the box read fast,
+   -5% while it read slowly; 128-256 bytes ahead gained less, 512 nothing, 1,024 lost
+   (docs/BENCHMARKS.md 29). */
+#define NTA_AHEAD 320
 static inline __attribute__((always_inline)) void stream_row(int K, const float* x, int mb, const float* w,
     float* y, int N) {
   VEC a0[STREAM_ROWS], a1[STREAM_ROWS];
   for (int i = 0; i < mb; i++) a0[i] = a1[i] = VZERO;
   for (int k = 0; k < K; k += 2 * LANES) {  /* K: a multiple of 32 = 2 vectors at least */
+    for (int b = 0; b < 2 * LANES * (int)sizeof(float); b += 64)
+      _mm_prefetch((const char*)(w + k) + NTA_AHEAD + b, _MM_HINT_NTA);
     VEC w0 = VLOAD(w + k), w1 = VLOAD(w + k + LANES);
     for (int i = 0; i < mb; i++) {
       a0[i] = VFMA(w0, VLOAD(x + (int64_t)i * K + k), a0[i]);
