@@ -417,7 +417,7 @@ class ModelRunner:
                 every = self._logits_at(hidden, torch.tensor(index, device=self.device))
             else:  # in internal order already, unless several rows verify drafts
                 every = step[1] if index == list(range(len(index))) else step[1][index]
-            logits, after = every[:len(last)], every[len(last):]
+            logits, after = (every[:len(last)], every[len(last):]) if drafts else (every, None)
             want = [state[r] for r in rows]
             chosen, bad = sample_rows(logits, self._row_samples(want), self.faults)
             lp_rows = [j for j, st in enumerate(want) if st.params.logprobs is not None and j not in bad]
