@@ -95,9 +95,9 @@ class FusedDecode:
         # The final norm and LM head in the same call, where this file multiplies the head
         # (float32 rows, int4/int8 blocks): `logits` then asks for them.
         self.has_head = _fits(model.lm_head)
+        self.vocab = model.lm_head.shape[0] if self.has_head else None
         if self.has_head:
             self.m.head = _lin(model.lm_head, None, self._keep)
-        self.vocab = model.lm_head.shape[0]
         self._scratch = torch.empty(0)
         self.max_rows = FUSED_ROWS  # steps of more rows run eagerly
 
