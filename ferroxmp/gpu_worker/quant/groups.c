@@ -125,7 +125,9 @@ static inline __attribute__((always_inline)) void rows_times(int n, int M, int N
    with the same step without: 9.4-9.6 vs 10.4-10.5 ms (-9%) while the box read fast,
    -5% while it read slowly; 128-256 bytes ahead gained less, 512 nothing, 1,024 lost
    (docs/BENCHMARKS.md 29). */
+#ifndef NTA_AHEAD
 #define NTA_AHEAD 320
+#endif
 static inline __attribute__((always_inline)) void stream_row(int K, const float* x, int mb, const float* w,
     float* y, int N) {
   VEC a0[STREAM_ROWS], a1[STREAM_ROWS];
