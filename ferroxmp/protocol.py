@@ -28,17 +28,31 @@ class ProtocolError(ValueError):
 
 # Token ids pack through the stdlib's array, not numpy: the frontend and supervisor
 # never import numpy (~10 MB resident each); the scheduler and worker unpack to arrays.
-assert array("i").itemsize == 4, "token ids are int32 on the wire"
-_SWAP = sys.byteorder == "big"  # the wire is little-endian
+assert array("i").itemsize == 4 and array("f").itemsize == 4, "int32 / float32 on the wire"
+
+
+def le_array(typecode: str, raw: bytes) -> array:
+    """Little-endian values on the wire ("i" int32, "f" float32) as an array in this
+    machine's order."""
+    a = array(typecode)
+    a.frombytes(raw)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a
+
+
+def le_bytes(a: array) -> bytes:
+    """An array's values as the wire's little-endian bytes."""
+    if sys.byteorder == "big":
+        a = array(a.typecode, a)
+        a.byteswap()
+    return a.tobytes()
 
 
 def pack_ids(ids) -> bytes:
     if hasattr(ids, "astype"):  # a numpy array packs itself, without a Python loop
         return ids.astype("<i4", copy=False).tobytes()
-    a = array("i", ids)
-    if _SWAP:
-        a.byteswap()
-    return a.tobytes()
+    return le_bytes(array("i", ids))
 
 
 def _checked(buf: bytes) -> bytes:
@@ -54,11 +68,7 @@ def unpack_ids(buf: bytes) -> np.ndarray:
 
 def unpack_id_list(buf: bytes) -> list[int]:
     """The ids as a list, without numpy (the frontend's side of `unpack_ids`)."""
-    a = array("i")
-    a.frombytes(_checked(buf))
-    if _SWAP:
-        a.byteswap()
-    return a.tolist()
+    return le_array("i", _checked(buf)).tolist()
 
 
 class Grammar(msgspec.Struct, array_like=True):

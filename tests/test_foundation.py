@@ -33,9 +33,19 @@ def test_every_message_round_trips(msg):
 
 
 def test_token_arrays_are_packed_int32():
-    ids = [0, 1, 2**31 - 1, 151_000]
-    buf = P.pack_ids(ids)
-    assert len(buf) == 4 * len(ids) and P.unpack_ids(buf).tolist() == ids
+    """The wire is little-endian int32 (the oracle: struct's "<i"), packed from a list (the
+    stdlib's array: the frontend's way) or a numpy array alike, and read back as a numpy
+    array (scheduler, worker) or a list (frontend); a length that is not whole int32s is a
+    ProtocolError either way."""
+    import struct
+    import numpy as np
+    ids = [0, 1, -7, 2**31 - 1, 151_000]
+    wire = struct.pack(f"<{len(ids)}i", *ids)
+    assert P.pack_ids(ids) == P.pack_ids(np.array(ids, dtype=np.int64)) == wire
+    assert P.unpack_ids(wire).tolist() == P.unpack_id_list(wire) == ids
+    for unpack in (P.unpack_ids, P.unpack_id_list):
+        with pytest.raises(P.ProtocolError):
+            unpack(wire[:-1])
 
 
 @pytest.mark.parametrize("frame", [b"", b"\x00\x01garbage", P.encode(SAMPLES[0])[:-2],

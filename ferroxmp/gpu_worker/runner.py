@@ -385,6 +385,13 @@ class ModelRunner:
         ids_np = np.concatenate(pieces).astype(np.int64)
         if self.faults is not None:
             self.faults.before_forward(ids_np)
+        sampling = [i for i, s in enumerate(batch.steps) if s.sample]
+        # A row with a draft samples at its last known token, before the draft's positions.
+        last = [plan.last_index[i] - len(drafts.get(batch.steps[i].row, ())) for i in sampling]
+        rows = [batch.steps[i].row for i in sampling]
+        # One lm_head call for the sampled positions and the drafts' (the head's weights
+        # read once a verify, not twice: ~0.8 ms of an int4 SmolLM2 verify's ~14)
+        index = last + [i for at, r in zip(last, rows) for i in range(at + 1, at + 1 + len(drafts.get(r, ())))]
         with torch.inference_mode():
             if self.tp is not None:
                 self.tp.send_step(plan, ids_np)
@@ -395,27 +402,19 @@ class ModelRunner:
                 hidden = self.graphs.forward(plan, ids_np)
             else:
                 ids, pos = self._to_device(ids_np), self._to_device(plan.positions)
-                every_samples = sum(s.sample for s in batch.steps) + sum(map(len, drafts.values())) == len(ids_np)
-                step = self.model.forward_logits(ids, pos, self.attn) if every_samples else None
+                step = self.model.forward_logits(ids, pos, self.attn) if len(index) == len(ids_np) else None
                 hidden = step[0] if step is not None else self.model.forward(ids, pos, self.attn)
             prompt_lps = self._prompt_logprobs(batch, state, plan, hidden)
             embeddings = self._embeddings(batch, state, plan, hidden)
-            sampling = [i for i, s in enumerate(batch.steps) if s.sample]
             if not sampling:
                 self._logits = None
                 self.rows.update(staged)
                 return BatchResult(batch_id=batch.batch_id, compute_s=time.perf_counter() - t0,
                                    prompt_logprobs=prompt_lps)  # no embedding: none ended its prompt
-            # A row with a draft samples at its last known token, before the draft's positions.
-            last = [plan.last_index[i] - len(drafts.get(batch.steps[i].row, ())) for i in sampling]
-            rows = [batch.steps[i].row for i in sampling]
-            # One lm_head call for the sampled positions and the drafts' (the head's weights
-            # read once a verify, not twice: ~0.8 ms of an int4 SmolLM2 verify's ~14)
-            spans = [range(at + 1, at + 1 + len(drafts.get(r, ()))) for at, r in zip(last, rows)]
-            index = last + [i for s in spans for i in s]
             if step is None:
                 every = self._logits_at(hidden, torch.tensor(index, device=self.device))
-            else:  # in internal order already, unless several rows verify drafts
+            else:  # every token's, in internal order: the index is a permutation (the identity
+                # unless several rows verify drafts)
                 every = step[1] if index == list(range(len(index))) else step[1][index]
             logits, after = (every[:len(last)], every[len(last):]) if drafts else (every, None)
             want = [state[r] for r in rows]

@@ -21,7 +21,6 @@ import base64
 import json
 import math
 import os
-import sys
 from array import array
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -30,7 +29,7 @@ from ferroxmp.frontend.openai import schemas
 from ferroxmp.frontend.errors import bad_param
 from ferroxmp.frontend.fields import Fields, check_names
 from ferroxmp.frontend.text.prompts import PromptEncoder
-from ferroxmp.protocol import SamplingParams
+from ferroxmp.protocol import SamplingParams, le_array, le_bytes
 
 FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
 MAX_INPUTS = 2048  # OpenAI's own limit per request
@@ -107,10 +106,7 @@ def resolve_pooling(model_path: Optional[str], flag: str = "auto") -> str:
 def body(req: EmbeddingRequest, vectors: list[bytes], model_name: str, usage: dict) -> dict:
     data = []
     for i, raw in enumerate(vectors):
-        v = array("f")  # not numpy: the frontend stays without it (~10 MB resident)
-        v.frombytes(raw)
-        if sys.byteorder == "big":
-            v.byteswap()
+        v = le_array("f", raw)  # not numpy: the frontend stays without it (~10 MB resident)
         if req.dimensions is not None:
             if req.dimensions > len(v):
                 raise bad_param("dimensions", f"this model's embeddings have {len(v)} dimensions; "
@@ -118,12 +114,7 @@ def body(req: EmbeddingRequest, vectors: list[bytes], model_name: str, usage: di
             del v[req.dimensions:]
         norm = max(math.sqrt(math.fsum(x * x for x in v)), 1e-12)
         v = array("f", [x / norm for x in v])
-        if req.base64:
-            if sys.byteorder == "big":
-                v.byteswap()
-            emb = base64.b64encode(v.tobytes()).decode()
-        else:
-            emb = v.tolist()
+        emb = base64.b64encode(le_bytes(v)).decode() if req.base64 else v.tolist()
         data.append({"object": "embedding", "index": i, "embedding": emb})
     prompt = usage["prompt_tokens"]
     return {"object": "list", "data": data, "model": model_name,
