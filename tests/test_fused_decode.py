@@ -40,7 +40,7 @@ def _drive(h) -> tuple[list[int], list[torch.Tensor], list[int]]:
     calls = []
     if h.runner.model.fused_decode is not None:
         inner = h.runner.model.fused_decode.fn
-        h.runner.model.fused_decode.fn = lambda *a: calls.append((a[1].value, a[-1] is not None)) or inner(*a)
+        h.runner.model.fused_decode.fn = lambda *a: calls.append((a[1].value, a[-2] is not None)) or inner(*a)
     out = {0: [], 1: [], 2: []}
     logits = []
 
@@ -222,4 +222,41 @@ def test_the_avx2_build_gives_the_eager_steps_tokens_too(tiny_models, tmp_path):
             "    f.close(); e.close()\n"
             "print(bad or 'ok')\n")
     out = run_avx2(code, tmp_path)
+    assert out.endswith("ok"), out
+
+
+_ARGMAX_CASES = (
+    "import ctypes, numpy as np\n"
+    "from ferroxmp.gpu_worker.quant.native import library\n"
+    "def cases():\n"
+    "    x = np.random.default_rng(0).standard_normal((8, 4099)).astype(np.float32)\n"
+    "    x[1, 7] = x[1, 4000] = np.nan\n"  # the first NaN
+    "    x[2, 3] = x[2, 9] = x[2, 4098] = 1e3\n"  # the first of equal maxima
+    "    x[3] = 0.0\n"
+    "    x[4, -1] = np.inf\n"  # past the last whole vector
+    "    x[5] = -np.inf\n"
+    "    x[6, 4098] = np.nan\n"  # a NaN only in the tail
+    "    x[7, 15] = 50.0; x[7, 16] = 50.0\n"  # equal maxima in two vectors
+    "    for n in (4099, 4096, 31, 1):\n"
+    "        yield np.ascontiguousarray(x[:, :n])\n"
+    "def check():\n"
+    "    bad = []\n"
+    "    for a in cases():\n"
+    "        top = np.zeros(a.shape[0], np.int64)\n"
+    "        library().rows_argmax(a.shape[0], a.shape[1], a.ctypes.data_as(ctypes.c_void_p),\n"
+    "                              top.ctypes.data_as(ctypes.c_void_p))\n"
+    "        if top.tolist() != a.argmax(axis=-1).tolist():\n"
+    "            bad.append((a.shape, top.tolist(), a.argmax(axis=-1).tolist()))\n"
+    "    return bad\n")
+
+
+def test_the_native_argmax_picks_what_numpy_picks(tmp_path):
+    """The fused step's argmax (rows_argmax, the sampler's answer for greedy rows) against
+    numpy's: the first of equal maxima, the first NaN, a maximum or NaN past the last whole
+    vector, rows of -inf; in this machine's build and in an AVX2 (haswell) one."""
+    from avx2_build import run_avx2
+    scope: dict = {}
+    exec(_ARGMAX_CASES, scope)
+    assert scope["check"]() == []
+    out = run_avx2(_ARGMAX_CASES + "print(check() or 'ok')\n", tmp_path)
     assert out.endswith("ok"), out

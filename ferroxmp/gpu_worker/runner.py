@@ -130,6 +130,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.pool = pool
+        self._table = np.empty_like(pool.page_table)  # execute's snapshot of the stepped rows
         self.rows.clear()
         self.failed = {}
         graphs = cuda_graph and self._graphs_allowed
@@ -326,10 +327,12 @@ class ModelRunner:
                 self.rows.update(staged)
                 return BatchResult(batch_id=batch.batch_id, compute_s=time.perf_counter() - t0)
             # Copy only the stepped rows' entries (a snapshot: the scheduler may write other
-            # rows meanwhile); the rest is never read (np.zeros: calloc'd, not copied).
+            # rows meanwhile) into a buffer kept between steps; its other rows, left from
+            # earlier steps, are never read. (A fresh table each step, 0.5 MB at 256 rows,
+            # was an mmap, a page fault and an munmap: ~50 us of a one-row step.)
             if table is None:
                 stepped = sorted({s.row for s in batch.steps})
-                table = np.zeros(self.pool.page_table.shape, np.int32)
+                table = self._table
                 table[stepped] = self.pool.page_table[stepped]
             # The draft model runs on every step (its KV keeps up with the target's).
             drafts = self._drafts(batch, staged, table) if batch.spec or self.drafter else {}
@@ -411,19 +414,22 @@ class ModelRunner:
                 self.rows.update(staged)
                 return BatchResult(batch_id=batch.batch_id, compute_s=time.perf_counter() - t0,
                                    prompt_logprobs=prompt_lps)  # no embedding: none ended its prompt
+            top = top_after = None  # the fused step's argmax of each token's logits
             if step is None:
                 every = self._logits_at(hidden, torch.tensor(index, device=self.device))
             else:  # every token's, in internal order: the index is a permutation (the identity
                 # unless several rows verify drafts)
-                every = step[1] if index == list(range(len(index))) else step[1][index]
+                every, top = step[1:] if index == list(range(len(index))) else (step[1][index], step[2][index])
             logits, after = (every[:len(last)], every[len(last):]) if drafts else (every, None)
+            if drafts and top is not None:
+                top, top_after = top[:len(last)], top[len(last):]
             want = [state[r] for r in rows]
-            chosen, bad = sample_rows(logits, self._row_samples(want), self.faults)
+            chosen, bad = sample_rows(logits, self._row_samples(want), self.faults, top)
             lp_rows = [j for j, st in enumerate(want) if st.params.logprobs is not None and j not in bad]
             lps = logprobs_of(logits[lp_rows], chosen[lp_rows],
                               [want[j].params.logprobs for j in lp_rows]) if lp_rows else []
-            spec = self._verify(drafts, after, rows, chosen, bad, state) if drafts else {}
-        self._logits = logits if self.keep_logits else None
+            spec = self._verify(drafts, after, top_after, rows, chosen, bad, state) if drafts else {}
+        self._logits = logits.clone() if self.keep_logits else None  # (the fused step's: a view it reuses)
         self.rows.update(staged)
         row_errors = {rows[j]: why for j, why in bad.items()}
         self.failed.update(row_errors)
@@ -488,14 +494,16 @@ class ModelRunner:
                 out[s.row] = pooled.vector(states[-1])
         return out
 
-    def _verify(self, drafts, logits: torch.Tensor, rows, chosen, bad, state) -> dict[int, list[int]]:
+    def _verify(self, drafts, logits: torch.Tensor, top: Optional[torch.Tensor], rows, chosen, bad,
+                state) -> dict[int, list[int]]:
         """Verification of the drafts by the row's own sampler: at each draft position the
         token the row would sample there in a step of its own (argmax when greedy; with
         temperature, the Gumbel-max draw, whose noise is a function of (seed, position):
         the same draw). A draft token is accepted while it equals the token sampled before
         it, and the token sampled after the last accepted one is emitted too; so the
         output is the one decoding without drafts gives, greedy or sampled. `logits`: the
-        drafts' positions, row after row. Returns row -> the tokens emitted after `chosen`."""
+        drafts' positions, row after row (top: their argmax, where known). Returns row -> the
+        tokens emitted after `chosen`."""
         keep, samples, where, at = [], [], [], 0
         for j, r in enumerate(rows):
             d = drafts.get(r, ())
@@ -510,7 +518,9 @@ class ModelRunner:
             return {}
         try:
             # every row's drafts, unless a row failed to sample: no gather (a copy) then
-            after = sample(logits if len(keep) == len(logits) else logits[keep], samples).tolist()
+            whole = len(keep) == len(logits)
+            after = sample(logits if whole else logits[keep], samples,
+                           top if whole or top is None else top[keep]).tolist()
         except Exception as e:  # the rows keep their sampled token; the drafts are dropped
             log.warning("verifying drafts failed (%s: %s); dropping them", type(e).__name__, e)
             return {}

@@ -76,6 +76,8 @@ class StepPlan:
 
     @cached_property
     def write_slots(self) -> np.ndarray:
+        if self.n_decode == len(self.rows):  # one token a row, in its row's last page read
+            return self.kv_pages[self.kv_indptr[1:] - 1] * self.page_size + self.starts % self.page_size
         pos = self.positions
         row_of = np.repeat(np.arange(len(self.rows)), self.lengths)
         page_idx = pos // self.page_size - self.first_page[row_of] + self.kv_indptr[row_of]
@@ -104,9 +106,35 @@ class StepPlan:
         assert len(np.unique(ws)) == len(ws), "two tokens of one step write the same slot"
 
 
+def _plan_decode(steps: list[tuple[int, int, int]], page_table: np.ndarray, page_size: int,
+                 num_pages: int) -> Optional[StepPlan]:
+    """plan_step for a step of one token a row and no window, in a third of its numpy
+    calls (each ~5-10 us in a one-row step, its code cold after the weights' stream:
+    docs/BENCHMARKS.md 30). None when a page is out of range: plan_step then says why."""
+    rows, starts = [s[0] for s in steps], [s[1] for s in steps]
+    count = [p // page_size + 1 for p in starts]  # pages 0 .. the one holding the new token
+    if max(count) > page_table.shape[1]:
+        return None
+    if len(steps) == 1:
+        pages = page_table[rows[0], :count[0]].astype(np.int64)
+    else:
+        pages = np.concatenate([page_table[r, :c] for r, c in zip(rows, count)]).astype(np.int64)
+    if pages.min() < 0 or pages.max() >= num_pages:
+        return None
+    R = len(steps)
+    return StepPlan(order=list(range(R)), rows=np.array(rows, np.int64), starts=np.array(starts, np.int64),
+                    lengths=np.ones(R, np.int64), first_page=np.zeros(R, np.int64),
+                    kv_indptr=np.array(list(accumulate(count, initial=0)), np.int64), kv_pages=pages,
+                    n_decode=R, page_size=page_size, window=None)
+
+
 def plan_step(steps: list[tuple[int, int, int]], page_table: np.ndarray, page_size: int,
               num_pages: int, window: Optional[int]) -> StepPlan:
     """steps = [(row, start, length)] in step order. Raises PlanError on a bad page."""
+    if window is None and steps and all(s[2] == 1 for s in steps):
+        plan = _plan_decode(steps, page_table, page_size, num_pages)
+        if plan is not None:
+            return plan
     order = [i for i, s in enumerate(steps) if s[2] == 1] + [i for i, s in enumerate(steps) if s[2] > 1]
     arr = np.array([steps[i] for i in order], dtype=np.int64).reshape(-1, 3)
     rows, starts, lengths = arr[:, 0], arr[:, 1], arr[:, 2]

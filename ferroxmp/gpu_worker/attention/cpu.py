@@ -138,8 +138,11 @@ class TorchBackend(AttentionBackend):
             # eagerly (forward). Each token is one of its rows, at its own position over
             # its row's pages: the step writes every token's K/V before any attends, so a
             # chunk's tokens see each other causally, as in the eager path.
-            row_of = np.repeat(np.arange(len(step.rows)), step.lengths)
-            page_at = np.append(step.kv_indptr[row_of], step.kv_indptr[-1])
+            if step.n_decode == len(step.rows):  # a token a row: its row's offsets
+                page_at = step.kv_indptr
+            else:
+                row_of = np.repeat(np.arange(len(step.rows)), step.lengths)
+                page_at = np.append(step.kv_indptr[row_of], step.kv_indptr[-1])
             self._fused = (self.write_slots, self._tensor(page_at), self._tensor(step.kv_pages))
             self._deferred = step
             return

@@ -165,15 +165,15 @@ class DecoderLM:
         return attn.fused_decode_target() if fused is not None and tokens <= fused.max_rows else None
 
     def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       attn: AttentionBackend) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+                       attn: AttentionBackend) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """forward() and logits() of every token in one fused call -> (final hidden states,
-        float32 [T, vocab]); None where the step does not run fused with its head (the
-        caller runs forward and logits then)."""
+        float32 logits [T, vocab], each token's argmax [T]), views the next step overwrites;
+        None where the step does not run fused with its head (the caller runs forward and
+        logits then)."""
         at = self._fused_target(input_ids.shape[0], attn)
         if at is None or not self.fused_decode.has_head:
             return None
-        out = torch.empty(input_ids.shape[0], self.fused_decode.vocab)
-        return self.fused_decode(self.embed_ids(input_ids), positions, *at, logits=out), out
+        return self.fused_decode.with_head(input_ids, positions, *at)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [T] in the plan's internal order -> final hidden states [T, hidden]."""

@@ -54,6 +54,7 @@ typedef struct {
   int kv_f16;              /* --kv-cache-dtype float16 */
   const float* norm;       /* the final RMSNorm's weight */
   Lin head;                /* the LM head (n 0: one this file cannot multiply) */
+  Lin embed;               /* the embedding table, rows looked up here (n 0: the caller embeds) */
 } Model;
 
 /* One head's K or V (n values) into the pool at element `at`. A float16 pool gets them
@@ -627,23 +628,69 @@ void rows_silu_mul(int R, int I, const float* gu, float* a) {
   for (int r = 0; r < R; r++) silu_mul(gu + (int64_t)r * 2 * I, gu + (int64_t)r * 2 * I + I, a + (int64_t)r * I, I);
 }
 
+/* Row `id` of the embedding table into out[K]: float32 rows copied, int4/int8 blocks
+   widened (int4x16.c's lookup). */
+static void embed_row(const Lin* e, int64_t id, float* out) {
+  if (!e->d) memcpy(out, (const float*)e->q + id * e->k, sizeof(float) * e->k);
+  else x16_row(e->k, e->q, e->d, e->m, id, out);
+}
+
+/* The index of the largest of x[0 .. n): the first of equal ones, the first NaN if any
+   (numpy's and torch's argmax). A vector pass finds the largest value and whether a NaN
+   is there, a scalar pass where it first is: in the sampler this was ~0.1 ms of a one-row
+   step's Python (the conversions' code cold after the weights' stream). */
+static int64_t argmax_of(const float* x, int n) {
+  int i = 0;
+  VEC mx = VSET1(-INFINITY);
+  int nan = 0;
+  for (; i + LANES <= n; i += LANES) {
+    VEC v = VLOAD(x + i);
+#ifdef __AVX512F__
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+#else
+    nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0;
+#endif
+    mx = VMAX(mx, v);
+  }
+  float best = -INFINITY;
+  float lane[LANES];
+  VSTORE(lane, mx);
+  for (int j = 0; j < LANES; j++) best = lane[j] > best ? lane[j] : best;
+  for (int j = i; j < n; j++) {
+    nan |= isnan(x[j]);
+    best = x[j] > best ? x[j] : best;
+  }
+  for (int j = 0; j < n; j++)
+    if (nan ? isnan(x[j]) : x[j] == best) return j;
+  return 0;
+}
+
+/* top[r] = argmax_of(x[r][0 .. n)) for each of R rows. */
+void rows_argmax(int R, int n, const float* x, int64_t* top) {
+  for (int r = 0; r < R; r++) top[r] = argmax_of(x + (int64_t)r * n, n);
+}
+
 /* Floats of scratch fused_decode needs (fused_decode.py allocates it). */
 int64_t fused_decode_scratch(const Model* M, int R, int64_t span) {
   Scratch S;
   return carve(M, R, span, NULL, &S);
 }
 
-/* h [R][hidden]: the rows' embeddings in, their final hidden states out. cos/sin: the
-   model's [positions][head_dim] tables; pos, slot: each row's position and pool slot;
-   pages[page_at[r] ..]: row r's pages in order (position t in page t / page_size).
-   logits [R][vocab] (NULL: not wanted): every row's final norm and LM head, in this call.
+/* h [R][hidden]: the rows' embeddings in (or, with ids, looked up here from M->embed),
+   their final hidden states out. cos/sin: the model's [positions][head_dim] tables; pos,
+   slot: each row's position and pool slot; pages[page_at[r] ..]: row r's pages in order
+   (position t in page t / page_size). logits [R][vocab] (NULL: not wanted): every row's
+   final norm and LM head, in this call, and with top (NULL: not wanted) each row's argmax.
    Why here: between two native calls the step's Python ran with caches the layers' weights
-   had just swept, ~0.3 ms of a ~17 ms float32 step (docs/BENCHMARKS.md 29). */
-void fused_decode(const Model* M, int R, float* h, const float* cos, const float* sin,
+   had just swept, ~0.3 ms of a ~17 ms float32 step (docs/BENCHMARKS.md 29); so did the
+   embedding's and argmax's torch and numpy calls (~0.2 ms; section 30). */
+void fused_decode(const Model* M, int R, float* h, const int64_t* ids, const float* cos, const float* sin,
                   const int64_t* pos, const int64_t* slot, const int64_t* page_at, const int64_t* pages,
-                  float* scratch, float* logits) {
+                  float* scratch, float* logits, int64_t* top) {
   const int H = M->heads, KVH = M->kv_heads, D = M->head_dim, E = M->hidden, I = M->inter;
   const int QKV = (H + 2 * KVH) * D;
+  if (ids)
+    for (int r = 0; r < R; r++) embed_row(&M->embed, ids[r], h + (int64_t)r * E);
   int64_t span = 0;
   for (int r = 0; r < R; r++) span = pos[r] + 1 > span ? pos[r] + 1 : span;
   Scratch S;
@@ -681,5 +728,6 @@ void fused_decode(const Model* M, int R, float* h, const float* cos, const float
   if (logits) {
     for (int r = 0; r < R; r++) rms(h + (int64_t)r * E, M->norm, x + (int64_t)r * E, E, M->eps);
     lin(&M->head, R, x, logits, xs);
+    if (top) rows_argmax(R, M->head.n, logits, top);
   }
 }

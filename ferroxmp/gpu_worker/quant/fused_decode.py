@@ -43,7 +43,7 @@ class _Model(ctypes.Structure):
     _fields_ = [("layers", c_int), ("heads", c_int), ("kv_heads", c_int), ("head_dim", c_int),
                 ("hidden", c_int), ("inter", c_int), ("eps", c_float), ("layer", POINTER(_Layer)),
                 ("pool_k", c_void_p), ("pool_v", c_void_p), ("pool_slots", c_int64), ("page_size", c_int),
-                ("kv_f16", c_int), ("norm", c_void_p), ("head", _Lin)]
+                ("kv_f16", c_int), ("norm", c_void_p), ("head", _Lin), ("embed", _Lin)]
 
 
 def _addr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -98,8 +98,18 @@ class FusedDecode:
         self.vocab = model.lm_head.shape[0] if self.has_head else None
         if self.has_head:
             self.m.head = _lin(model.lm_head, None, self._keep)
+        # The embedding's rows looked up in the call where this file reads the table
+        # (float32 rows, int4/int8 blocks; not under --tp, whose lookup is vocab-parallel).
+        self.embeds = _fits(model.embed) and model.embed.shape[1] == cfg.hidden_size
+        if self.embeds:
+            self.m.embed = _lin(model.embed, None, self._keep)
         self._scratch = torch.empty(0)
+        self._cap = (0, 0)  # (rows, positions) the scratch holds
         self.max_rows = FUSED_ROWS  # steps of more rows run eagerly
+        # A step's outputs with its head (`with_head`): buffers kept from step to step, a
+        # view of each per row count, since each torch call of a one-row step costs 10-70 us
+        # with its code cold after the weights' stream (docs/BENCHMARKS.md 30).
+        self._out: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
     def why_not(model, kv, attn) -> Optional[str]:
@@ -126,18 +136,38 @@ class FusedDecode:
         return cls(model, kv, library()), None
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_at: torch.Tensor,
-                 pages: torch.Tensor, logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 pages: torch.Tensor) -> torch.Tensor:
         """h [R, hidden] float32 (the rows' embeddings, overwritten) -> their final hidden
         states. positions, slots: int64 [R] on CPU, each row's position and pool slot;
-        pages[page_at[r]:page_at[r + 1]]: row r's pages (int64), first to last. logits
-        [R, vocab] float32 (only where has_head): filled with every row's logits."""
-        m, rows = self.m, h.shape[0]
-        pos = positions.to(torch.int64).contiguous()  # the backend's slot and page tensors are int64 already
-        need = self.scratch_floats(ctypes.byref(m), c_int(rows), c_int64(int(pos.max()) + 1))
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(2 * need)
+        pages[page_at[r]:page_at[r + 1]]: row r's pages (int64), first to last."""
         h = h.contiguous()
-        self.fn(ctypes.byref(m), c_int(rows), ptr(h), ptr(self.model.cos_table), ptr(self.model.sin_table),
-                ptr(pos), ptr(slots), ptr(page_at), ptr(pages), ptr(self._scratch),
-                None if logits is None else ptr(logits))
+        self._run(h.shape[0], h, None, positions, slots, page_at, pages, None, None)
         return h
+
+    def with_head(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_at: torch.Tensor,
+                  pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step from token ids (int64 [R]) through the LM head (only where has_head) ->
+        (final hidden states [R, hidden], logits [R, vocab] float32, each row's argmax [R]
+        int64: the first of equal logits, the first NaN if any). The three are views of
+        buffers the next call overwrites."""
+        rows = ids.shape[0]
+        if rows not in self._out:
+            self._out[rows] = (torch.empty(rows, self.cfg.hidden_size), torch.empty(rows, self.vocab),
+                               torch.empty(rows, dtype=torch.int64))
+        h, logits, top = self._out[rows]
+        if not self.embeds:
+            h.copy_(self.model.embed_ids(ids))
+        self._run(rows, h, ids if self.embeds else None, positions, slots, page_at, pages, logits, top)
+        return h, logits, top
+
+    def _run(self, rows: int, h, ids, positions, slots, page_at, pages, logits, top) -> None:
+        m = self.m
+        pos = positions.to(torch.int64).contiguous()  # the backend's slot and page tensors are int64 already
+        span = int(pos.max()) + 1
+        if rows > self._cap[0] or span > self._cap[1]:  # grown with room, not sized every step
+            self._cap = (max(rows, self._cap[0]), max(span + span // 4, 256))
+            self._scratch = torch.empty(self.scratch_floats(ctypes.byref(m), c_int(self._cap[0]),
+                                                            c_int64(self._cap[1])))
+        self.fn(ctypes.byref(m), c_int(rows), ptr(h), None if ids is None else ptr(ids), ptr(self.model.cos_table),
+                ptr(self.model.sin_table), ptr(pos), ptr(slots), ptr(page_at), ptr(pages), ptr(self._scratch),
+                None if logits is None else ptr(logits), None if top is None else ptr(top))

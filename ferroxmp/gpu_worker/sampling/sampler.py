@@ -163,11 +163,16 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, rows: Sequence[RowSample]) -> torch.Tensor:
-    """logits [N, vocab] float32 (raw model output) -> chosen token ids [N] int64."""
-    if any(r.constrained for r in rows):  # unconstrained batches skip this entirely
+def sample(logits: torch.Tensor, rows: Sequence[RowSample], top: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """logits [N, vocab] float32 (raw model output) -> chosen token ids [N] int64. top: the
+    argmax of each row of `logits` where the step computed it already (the fused step's)."""
+    plain = not any(r.params.has_penalties or not r.params.greedy for r in rows)  # argmax of the logits
+    constrained = any(r.constrained for r in rows)
+    if plain and not constrained and top is not None:
+        return top
+    if constrained:  # unconstrained batches skip this entirely
         logits = apply_constraints(logits, rows)
-    if not any(r.params.has_penalties for r in rows) and all(r.params.greedy for r in rows):
+    if plain:
         return argmax(logits)
     logits = apply_penalties(logits, rows)
     out = argmax(logits)
@@ -181,14 +186,15 @@ def sample(logits: torch.Tensor, rows: Sequence[RowSample]) -> torch.Tensor:
     return out
 
 
-def sample_rows(logits: torch.Tensor, rows: Sequence[RowSample], faults=None) -> tuple[torch.Tensor, dict[int, str]]:
+def sample_rows(logits: torch.Tensor, rows: Sequence[RowSample], faults=None,
+                top: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[int, str]]:
     """`sample` over the batch; if that raises, every row alone (a row's draw depends
     on nothing else in the batch, so alone equals batched). Returns the chosen ids and
     {row index: why} for the rows that could not be sampled (their id is meaningless)."""
     try:
         if faults is not None:
             faults.before_sample([r.seed for r in rows])
-        return sample(logits, rows), {}
+        return sample(logits, rows, top), {}
     except Exception as e:
         log.warning("sampling a batch of %d rows failed (%s: %s); sampling them one by one",
                     len(rows), type(e).__name__, e)
