@@ -100,15 +100,19 @@ class FusedDecode:
             self.m.head = _lin(model.lm_head, None, self._keep)
         # The embedding's rows looked up in the call where this file reads the table
         # (float32 rows, int4/int8 blocks; not under --tp, whose lookup is vocab-parallel).
-        self.embeds = _fits(model.embed) and model.embed.shape[1] == cfg.hidden_size
+        # Every id the step may see (a prompt's, below the config's vocabulary; a sampled
+        # one, below the head's) must be a row of the table: C does not check.
+        self.embeds = (_fits(model.embed) and model.embed.shape[1] == cfg.hidden_size
+                       and model.embed.shape[0] >= max(cfg.vocab_size, model.lm_head.shape[0]))
         if self.embeds:
             self.m.embed = _lin(model.embed, None, self._keep)
         self._scratch = torch.empty(0)
         self._cap = (0, 0)  # (rows, positions) the scratch holds
         self.max_rows = FUSED_ROWS  # steps of more rows run eagerly
-        # A step's outputs with its head (`with_head`): buffers kept from step to step, a
-        # view of each per row count, since each torch call of a one-row step costs 10-70 us
-        # with its code cold after the weights' stream (docs/BENCHMARKS.md 30).
+        # A step's outputs with its head (`with_head`): buffers for FUSED_ROWS rows kept from
+        # step to step, their first R rows' views kept per row count, since each torch call
+        # of a one-row step costs 10-70 us with its code cold after the weights' stream
+        # (docs/BENCHMARKS.md 30).
         self._out: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
@@ -152,8 +156,11 @@ class FusedDecode:
         buffers the next call overwrites."""
         rows = ids.shape[0]
         if rows not in self._out:
-            self._out[rows] = (torch.empty(rows, self.cfg.hidden_size), torch.empty(rows, self.vocab),
-                               torch.empty(rows, dtype=torch.int64))
+            whole = self._out.get(FUSED_ROWS) or (torch.empty(FUSED_ROWS, self.cfg.hidden_size),
+                                                  torch.empty(FUSED_ROWS, self.vocab),
+                                                  torch.empty(FUSED_ROWS, dtype=torch.int64))
+            self._out[FUSED_ROWS] = whole
+            self._out[rows] = tuple(t[:rows] for t in whole)
         h, logits, top = self._out[rows]
         if not self.embeds:
             h.copy_(self.model.embed_ids(ids))
