@@ -70,14 +70,16 @@ static void store_kv(const Model* M, void* pool, int64_t at, float* x, int n) {
 
 
 
-/* y[R][n] = x[R][k] W^T (+ bias). xs: the int4/int8 kernel's scratch (int4x16_scratch bytes). */
-static void lin(const Lin* w, int R, const float* x, float* y, float* xs) {
-  if (!w->d) f32_mm(R, w->n, w->k, x, (const float*)w->q, y);
-  else if (w->m) int4x16_mm(R, w->n, w->k, x, w->q, w->d, w->m, xs, y);
-  else int8x16_mm(R, w->n, w->k, x, (const int8_t*)w->q, w->d, xs, y);
-  if (w->bias)
+/* y[R][n] = x[R][k] W^T (+ bias), shared by the threads of the enclosing parallel region
+   (f32_mm_team, x16_mm_team). xs: the int4/int8 kernel's scratch (int4x16_scratch bytes). */
+static void lin_team(const Lin* w, int R, const float* x, float* y, float* xs) {
+  if (!w->d) f32_mm_team(R, w->n, w->k, x, (const float*)w->q, y);
+  else x16_mm_team(!w->m, R, w->n, w->k, x, w->q, w->d, w->m, xs, y);
+  if (w->bias) {
+    #pragma omp for schedule(static)
     for (int r = 0; r < R; r++)
       for (int i = 0; i < w->n; i++) y[(int64_t)r * w->n + i] += w->bias[i];
+  }
 }
 
 #ifdef __AVX512F__
@@ -513,11 +515,18 @@ static void merge_chunks(int C, int D, const float* co, const float* st, float* 
   for (int d = 0; d < D; d++) o[d] /= total;
 }
 
-static void attend(const Model* M, int l, int R, const float* q, int64_t q_stride, float* o,
-                   const int64_t* pos, const int64_t* page_at, const int64_t* pages, float* p, int64_t span) {
+/* A step's attention work items, the same at every layer: built once a step. */
+typedef struct {
+  int (*item)[5];  /* [first row, rows, first query head, heads, chunk (-1: whole)] */
+  int n_items, C, CH;
+  char* chunked;   /* row r's keys in chunks */
+  float *co, *cst; /* a row of more than one chunk: its chunks' outputs [R][H][C][D] and max, sum [R][H][C][2] */
+} AttPlan;
+
+static void att_plan(const Model* M, int R, const int64_t* pos, const int64_t* page_at, int64_t span, AttPlan* A) {
   const int H = M->heads, D = M->head_dim, G = H / M->kv_heads, CH = chunk_of(M);
   const int C = (int)((span + CH - 1) / CH);  /* chunks of the longest row */
-  /* items: [first row, rows, first query head, heads, chunk]: the G query heads of a KV head
+  /* items: the G query heads of a KV head
      together (they read the same K/V, once), for one row or for a sequence's rows (in
      pieces of at most ATT_MAXQ queries: a piece re-reads the keys, and pieces that fit
      one vector of lanes measured slower than whole sequences on fewer threads). One
@@ -526,7 +535,7 @@ static void attend(const Model* M, int l, int R, const float* q, int64_t q_strid
      item per query head read each K/V row 3 times, and a single stream took 4-13%
      longer a token at 150-900 positions; docs/BENCHMARKS.md 26.) */
   int (*item)[5] = malloc(sizeof(int[5]) * ((size_t)R * H * C + 1));
-  char* chunked = malloc((size_t)R);  /* row r's keys in chunks */
+  char* chunked = malloc((size_t)R);
   int n_items = 0;
   const int grouped = R > 1 || M->kv_heads >= omp_get_max_threads();
   const int per_kv = grouped && G <= ATT_MAXQ ? G : 1;  /* (G past ATT_MAXQ: one query head an item) */
@@ -554,47 +563,71 @@ static void attend(const Model* M, int l, int R, const float* q, int64_t q_strid
       r += rows;
     }
   }
-  /* a row of more than one chunk: its chunks' outputs [R][H][C][D] and max, sum [R][H][C][2] */
   int any = 0;
   for (int r = 0; r < R; r++) any |= chunked[r];
-  float* co = any ? malloc(sizeof(float) * (size_t)R * H * C * (D + 2)) : NULL;
-  float* cst = co ? co + (int64_t)R * H * C * D : NULL;
-  const int nqp = (ATT_MAXQ + LANES - 1) / LANES * LANES;
-  #pragma omp parallel if (R * span >= 32)
-  {
-    float* work = malloc(sizeof(float) * ((size_t)D * (nqp + 1)));
-    #pragma omp for schedule(dynamic, 1)
-    for (int w = 0; w < n_items; w++) {
-      const int* it = item[w];
-      Queries Q;
-      Q.nq = 0, Q.lo = it[4] < 0 ? 0 : it[4] * CH, Q.hi = it[4] < 0 ? (int)span : Q.lo + CH;
-      for (int r = it[0]; r < it[0] + it[1]; r++) {
-        if (pos[r] < Q.lo) continue;  /* this row's keys end before the chunk */
-        const int whole = !chunked[r];  /* the row's only item: the output itself */
-        for (int h = it[2]; h < it[2] + it[3]; h++) {
-          const int64_t rh = (int64_t)r * H + h;
-          Q.q[Q.nq] = q + (int64_t)r * q_stride + (int64_t)h * D;
-          Q.o[Q.nq] = whole ? o + rh * D : co + (rh * C + it[4]) * D;
-          Q.st[Q.nq] = whole ? NULL : cst + (rh * C + it[4]) * 2;
-          Q.p[Q.nq] = p + rh * span;
-          Q.n[Q.nq++] = (int)pos[r] + 1;
-        }
+  A->co = any ? malloc(sizeof(float) * (size_t)R * H * C * (D + 2)) : NULL;
+  A->cst = A->co ? A->co + (int64_t)R * H * C * D : NULL;
+  A->item = item, A->n_items = n_items, A->C = C, A->CH = CH, A->chunked = chunked;
+}
+
+static void att_plan_free(AttPlan* A) {
+  free(A->co);
+  free(A->chunked);
+  free(A->item);
+}
+
+/* A thread's attention scratch (att_item's `work`), in floats. */
+static inline size_t att_work_floats(const Model* M) {
+  return (size_t)M->head_dim * ((ATT_MAXQ + LANES - 1) / LANES * LANES + 1);
+}
+
+/* Layer l's attention shared by the threads of the enclosing parallel region (orphaned
+   worksharing, as f32_mm_team), each with its own `work`. */
+static void att_team(const Model* M, const AttPlan* A, int l, int R, const float* q, int64_t q_stride, float* o,
+                     const int64_t* pos, const int64_t* page_at, const int64_t* pages, float* p, int64_t span,
+                     float* work) {
+  const int H = M->heads, D = M->head_dim, G = H / M->kv_heads, C = A->C, CH = A->CH;
+  #pragma omp for schedule(dynamic, 1)
+  for (int w = 0; w < A->n_items; w++) {
+    const int* it = A->item[w];
+    Queries Q;
+    Q.nq = 0, Q.lo = it[4] < 0 ? 0 : it[4] * CH, Q.hi = it[4] < 0 ? (int)span : Q.lo + CH;
+    for (int r = it[0]; r < it[0] + it[1]; r++) {
+      if (pos[r] < Q.lo) continue;  /* this row's keys end before the chunk */
+      const int whole = !A->chunked[r];  /* the row's only item: the output itself */
+      for (int h = it[2]; h < it[2] + it[3]; h++) {
+        const int64_t rh = (int64_t)r * H + h;
+        Q.q[Q.nq] = q + (int64_t)r * q_stride + (int64_t)h * D;
+        Q.o[Q.nq] = whole ? o + rh * D : A->co + (rh * C + it[4]) * D;
+        Q.st[Q.nq] = whole ? NULL : A->cst + (rh * C + it[4]) * 2;
+        Q.p[Q.nq] = p + rh * span;
+        Q.n[Q.nq++] = (int)pos[r] + 1;
       }
-      if (Q.nq) att_item(M, l, it[2] / G, &Q, pages + page_at[it[0]], work);
     }
-    free(work);
-    if (co) {
-      #pragma omp for schedule(static)
-      for (int rh = 0; rh < R * H; rh++) {
-        const int64_t n = pos[rh / H] + 1;
-        if (chunked[rh / H]) merge_chunks((int)((n + CH - 1) / CH), D, co + (int64_t)rh * C * D, cst + (int64_t)rh * C * 2,
-                                 o + (int64_t)rh * D);
-      }
+    if (Q.nq) att_item(M, l, it[2] / G, &Q, pages + page_at[it[0]], work);
+  }
+  if (A->co) {
+    #pragma omp for schedule(static)
+    for (int rh = 0; rh < R * H; rh++) {
+      const int64_t n = pos[rh / H] + 1;
+      if (A->chunked[rh / H]) merge_chunks((int)((n + CH - 1) / CH), D, A->co + (int64_t)rh * C * D,
+                                           A->cst + (int64_t)rh * C * 2, o + (int64_t)rh * D);
     }
   }
-  free(co);
-  free(chunked);
-  free(item);
+}
+
+/* The same in a parallel region of its own (the eager path's decode_attention). */
+static void attend(const Model* M, int l, int R, const float* q, int64_t q_stride, float* o,
+                   const int64_t* pos, const int64_t* page_at, const int64_t* pages, float* p, int64_t span) {
+  AttPlan A;
+  att_plan(M, R, pos, page_at, span, &A);
+  #pragma omp parallel if (R * span >= 32)
+  {
+    float* work = malloc(sizeof(float) * att_work_floats(M));
+    att_team(M, &A, l, R, q, q_stride, o, pos, page_at, pages, p, span, work);
+    free(work);
+  }
+  att_plan_free(&A);
 }
 
 /* The same attention for the decode rows of an eager step (attention/cpu.py, their K/V
@@ -696,38 +729,62 @@ void fused_decode(const Model* M, int R, float* h, const int64_t* ids, const flo
   Scratch S;
   carve(M, R, span, scratch, &S);
   float *x = S.x, *qkv = S.qkv, *o = S.o, *gu = S.gu, *a = S.a, *y = S.y, *p = S.p, *xs = S.xs;
-  for (int l = 0; l < M->layers; l++) {
-    const Layer* L = &M->layer[l];
-    for (int r = 0; r < R; r++) rms(h + (int64_t)r * E, L->in_norm, x + (int64_t)r * E, E, M->eps);
-    lin(&L->qkv, R, x, qkv, xs);
-    int64_t pl = (int64_t)l * KVH * M->pool_slots * D;
-    for (int r = 0; r < R; r++) {
-      float *q = qkv + (int64_t)r * QKV, *k = q + H * D, *v = k + KVH * D;
-      const float *c = cos + pos[r] * D, *s = sin + pos[r] * D;
-      if (L->q_norm) {
-        for (int j = 0; j < H; j++) rms(q + j * D, L->q_norm, q + j * D, D, M->eps);
-        for (int j = 0; j < KVH; j++) rms(k + j * D, L->k_norm, k + j * D, D, M->eps);
+  AttPlan A;
+  att_plan(M, R, pos, page_at, span, &A);
+  /* One parallel region for the whole step: the threads meet at each product's end (and
+     wait while one of them runs a row loop, `single`), but are not started and ended ~5
+     times a layer. */
+  #pragma omp parallel
+  {
+    float* work = malloc(sizeof(float) * att_work_floats(M));
+    for (int l = 0; l < M->layers; l++) {
+      const Layer* L = &M->layer[l];
+      #pragma omp single
+      for (int r = 0; r < R; r++) rms(h + (int64_t)r * E, L->in_norm, x + (int64_t)r * E, E, M->eps);
+      lin_team(&L->qkv, R, x, qkv, xs);
+      #pragma omp single
+      {
+        int64_t pl = (int64_t)l * KVH * M->pool_slots * D;
+        for (int r = 0; r < R; r++) {
+          float *q = qkv + (int64_t)r * QKV, *k = q + H * D, *v = k + KVH * D;
+          const float *c = cos + pos[r] * D, *s = sin + pos[r] * D;
+          if (L->q_norm) {
+            for (int j = 0; j < H; j++) rms(q + j * D, L->q_norm, q + j * D, D, M->eps);
+            for (int j = 0; j < KVH; j++) rms(k + j * D, L->k_norm, k + j * D, D, M->eps);
+          }
+          for (int j = 0; j < H; j++) rope(q + j * D, c, s, D);
+          for (int j = 0; j < KVH; j++) rope(k + j * D, c, s, D);
+          for (int j = 0; j < KVH; j++) {
+            store_kv(M, M->pool_k, pl + ((int64_t)j * M->pool_slots + slot[r]) * D, k + j * D, D);
+            store_kv(M, M->pool_v, pl + ((int64_t)j * M->pool_slots + slot[r]) * D, v + j * D, D);
+          }
+        }
       }
-      for (int j = 0; j < H; j++) rope(q + j * D, c, s, D);
-      for (int j = 0; j < KVH; j++) rope(k + j * D, c, s, D);
-      for (int j = 0; j < KVH; j++) {
-        store_kv(M, M->pool_k, pl + ((int64_t)j * M->pool_slots + slot[r]) * D, k + j * D, D);
-        store_kv(M, M->pool_v, pl + ((int64_t)j * M->pool_slots + slot[r]) * D, v + j * D, D);
+      att_team(M, &A, l, R, qkv, QKV, o, pos, page_at, pages, p, span, work);
+      lin_team(&L->o, R, o, y, xs);
+      #pragma omp single
+      {
+        for (int64_t i = 0; i < (int64_t)R * E; i++) h[i] += y[i];
+        for (int r = 0; r < R; r++) rms(h + (int64_t)r * E, L->post_norm, x + (int64_t)r * E, E, M->eps);
+      }
+      lin_team(&L->gate_up, R, x, gu, xs);
+      #pragma omp for schedule(static)
+      for (int r = 0; r < R; r++) silu_mul(gu + (int64_t)r * 2 * I, gu + (int64_t)r * 2 * I + I, a + (int64_t)r * I, I);
+      lin_team(&L->down, R, a, y, xs);
+      #pragma omp single
+      for (int64_t i = 0; i < (int64_t)R * E; i++) h[i] += y[i];
+    }
+    if (logits) {
+      #pragma omp single
+      for (int r = 0; r < R; r++) rms(h + (int64_t)r * E, M->norm, x + (int64_t)r * E, E, M->eps);
+      lin_team(&M->head, R, x, logits, xs);
+      if (top) {
+        #pragma omp for schedule(static)
+        for (int r = 0; r < R; r++) top[r] = argmax_of(logits + (int64_t)r * M->head.n, M->head.n);
       }
     }
-    attend(M, l, R, qkv, QKV, o, pos, page_at, pages, p, span);
-    lin(&L->o, R, o, y, xs);
-    for (int64_t i = 0; i < (int64_t)R * E; i++) h[i] += y[i];
-    for (int r = 0; r < R; r++) rms(h + (int64_t)r * E, L->post_norm, x + (int64_t)r * E, E, M->eps);
-    lin(&L->gate_up, R, x, gu, xs);
-    #pragma omp parallel for schedule(static) if (R >= 4)
-    for (int r = 0; r < R; r++) silu_mul(gu + (int64_t)r * 2 * I, gu + (int64_t)r * 2 * I + I, a + (int64_t)r * I, I);
-    lin(&L->down, R, a, y, xs);
-    for (int64_t i = 0; i < (int64_t)R * E; i++) h[i] += y[i];
+    free(work);
   }
-  if (logits) {
-    for (int r = 0; r < R; r++) rms(h + (int64_t)r * E, M->norm, x + (int64_t)r * E, E, M->eps);
-    lin(&M->head, R, x, logits, xs);
-    if (top) rows_argmax(R, M->head.n, logits, top);
-  }
+  att_plan_free(&A);
 }
+

@@ -144,9 +144,12 @@ static inline __attribute__((always_inline)) void stream_row(int K, const float*
   for (int i = 0; i < mb; i++) y[(int64_t)i * N] = hsum(VADD(a0[i], a1[i]));
 }
 
-void f32_mm(int M, int N, int K, const float* x, const float* w, float* y) {
+/* The product shared by the threads of the enclosing parallel region, each calling it
+   (orphaned worksharing: outside a region the caller computes it alone); the region's
+   threads meet at its end. fused_decode.c's step runs in one region for all its layers. */
+static inline void f32_mm_team(int M, int N, int K, const float* x, const float* w, float* y) {
   if (M <= STREAM_ROWS) {
-    #pragma omp parallel for schedule(static)
+    #pragma omp for schedule(static)
     for (int n = 0; n < N; n++) {
 #define ROWS(c) case c: stream_row(K, x, c, w + (int64_t)n * K, y + n, N); break;
       switch (M) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) }
@@ -154,6 +157,11 @@ void f32_mm(int M, int N, int K, const float* x, const float* w, float* y) {
     }
     return;
   }
-  #pragma omp parallel for schedule(static)
+  #pragma omp for schedule(static)
   for (int n = 0; n < N; n += NSTEP) rows_times(n, M, N, K, x, w, y);
+}
+
+void f32_mm(int M, int N, int K, const float* x, const float* w, float* y) {
+  #pragma omp parallel
+  f32_mm_team(M, N, K, x, w, y);
 }

@@ -257,19 +257,20 @@ static inline __attribute__((always_inline)) void x16_half(int int8, int G, int 
 int64_t int4x16_scratch(int M, int K) { return 2 * (int64_t)M * K + 4 * (int64_t)M * (K / 32) * sizeof(float); }
 
 /* y[M][N] = x[M][K] W^T for W in blocks (N rows, ceil(N / 16) blocks): int4 (m) or int8
-   (int8 set: m unused). scratch: int4x16_scratch bytes. */
-static inline __attribute__((always_inline)) void x16_mm(int int8, int M, int N, int K, const float* x,
+   (int8 set: m unused). scratch: int4x16_scratch bytes. Shared by the threads of the
+   enclosing parallel region, as f32_mm_team. */
+static inline __attribute__((always_inline)) void x16_mm_team(int int8, int M, int N, int K, const float* x,
     const uint8_t* q, const uint16_t* d, const uint16_t* m, void* scratch, float* y) {
   const int G = K / 32, NB = (N + X16 - 1) / X16, gbytes = int8 ? 2 * X16_BYTES : X16_BYTES;
   int8_t* xq = (int8_t*)scratch;
   float* sc = (float*)(xq + 2 * (int64_t)M * K);
   float* sum = sc + (int64_t)M * G;
   int32_t* dsum = (int32_t*)(sum + (int64_t)M * G);
-  #pragma omp parallel for schedule(static) if (M >= 8)
+  #pragma omp for schedule(static)
   for (int r = 0; r < M; r++)
     x16_quantize_row(K, x + (int64_t)r * K, xq + 2 * (int64_t)r * K, sc + (int64_t)r * G, sum + (int64_t)r * G,
                      dsum + 2 * (int64_t)r * G);
-  #pragma omp parallel for schedule(static)
+  #pragma omp for schedule(static)
   for (int b = 0; b < NB; b++) {
     const uint8_t* qb = q + (int64_t)b * G * gbytes;
     const uint16_t *db = d + (int64_t)b * G * 16, *mbk = int8 ? NULL : m + (int64_t)b * G * 16;
@@ -304,11 +305,13 @@ static inline __attribute__((always_inline)) void x16_mm(int int8, int M, int N,
 
 void int4x16_mm(int M, int N, int K, const float* x, const uint8_t* q, const uint16_t* d, const uint16_t* m,
                 void* scratch, float* y) {
-  x16_mm(0, M, N, K, x, q, d, m, scratch, y);
+  #pragma omp parallel
+  x16_mm_team(0, M, N, K, x, q, d, m, scratch, y);
 }
 
 void int8x16_mm(int M, int N, int K, const float* x, const int8_t* q, const uint16_t* d, void* scratch, float* y) {
-  x16_mm(1, M, N, K, x, (const uint8_t*)q, d, NULL, scratch, y);
+  #pragma omp parallel
+  x16_mm_team(1, M, N, K, x, (const uint8_t*)q, d, NULL, scratch, y);
 }
 
 /* Row n of W as float32 (K values), the embedding's lookup. int4: its nibbles of each
