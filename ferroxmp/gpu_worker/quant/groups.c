@@ -28,6 +28,17 @@ static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 #define VADD _mm512_add_ps
 #define VSET1 _mm512_set1_ps
 static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+/* out[0..4) = the sums of a, b, c, d: halves, then quarters added across the four, then
+   each quarter's four lanes. */
+static inline void hsum4(__m512 a, __m512 b, __m512 c, __m512 d, float* out) {
+  __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0x4E));
+  v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0xB1));
+  _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                                     0, 0, 0, 0), v)));
+}
 #else
 #define VEC __m256
 #define NV 4
@@ -87,6 +98,17 @@ static inline __attribute__((always_inline)) void block(int K, const float* x, i
       }
     }
   }
+#ifdef __AVX512F__
+  if ((nr * mb) % 4 == 0) {  /* four sums at a time (hsum4): ~3.5 ops a sum instead of ~8 */
+    for (int k = 0; k < nr * mb; k += 4) {
+      float s4[4];
+      hsum4(acc[k / mb][k % mb], acc[(k + 1) / mb][(k + 1) % mb], acc[(k + 2) / mb][(k + 2) % mb],
+            acc[(k + 3) / mb][(k + 3) % mb], s4);
+      for (int e = 0; e < 4; e++) y[(int64_t)(r0 + (k + e) % mb) * N + n + (k + e) / mb] = s4[e];
+    }
+    return;
+  }
+#endif
   for (int j = 0; j < nr; j++)
     for (int i = 0; i < mb; i++) y[(int64_t)(r0 + i) * N + n + j] = hsum(acc[j][i]);
 }
