@@ -292,3 +292,25 @@ def test_long_contexts_in_chunks_match_the_definition_and_do_not_depend_on_the_s
             alone = _page_decode(pd, [(row_pages, pos)], q[i:i + 1])
             assert torch.equal(alone[0], out[i]), (pos, (alone[0] - out[i]).abs().max())
         i += len(pos)
+
+
+def test_a_decode_steps_short_plan_is_the_general_plan():
+    """plan_step's short path for steps of one token a row (no window) against its general
+    path (a window longer than any row, so that every page is read: the same pages), on
+    random rows and positions: every array, the write slots, positions and offsets."""
+    from ferroxmp.gpu_worker.attention.base import _plan_decode
+    rng = np.random.default_rng(5)
+    table = rng.permutation(64 * 16).astype(np.int32).reshape(64, 16)
+    for _ in range(50):
+        rows = rng.choice(64, size=int(rng.integers(1, 17)), replace=False).tolist()
+        steps = [(r, int(rng.integers(0, 16 * PS)), 1) for r in rows]
+        short = _plan_decode(steps, table, PS, 64 * 16)
+        general = plan_step(steps, table, PS, 64 * 16, 10 ** 9)
+        assert short is not None and short.decode_only
+        short.check_integrity()
+        for name in ("rows", "starts", "lengths", "first_page", "kv_indptr", "kv_pages", "positions", "write_slots",
+                     "q_indptr", "kv_lens"):
+            assert np.array_equal(getattr(short, name), getattr(general, name)), name
+        assert short.order == general.order and short.last_index == general.last_index
+        # (write_slots takes a decode step's own short path in both: against the table)
+        assert short.write_slots.tolist() == [int(table[r, p // PS]) * PS + p % PS for r, p, _ in steps]

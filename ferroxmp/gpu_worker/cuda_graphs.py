@@ -82,7 +82,7 @@ class DecodeGraphs:
         self.mempool = torch.cuda.graph_pool_handle()  # one pool: sizes share their scratch
 
     def fits(self, plan) -> bool:
-        return plan.n_decode == len(plan.rows) and padded_batch_size(plan.n_decode, self.sizes) is not None
+        return plan.decode_only and padded_batch_size(plan.n_decode, self.sizes) is not None
 
     def forward(self, plan, ids: np.ndarray) -> torch.Tensor:
         """The step's final hidden states [n, hidden] (a view of the graph's static output)."""

@@ -51,6 +51,11 @@ class StepPlan:
     window: Optional[int]
 
     @property
+    def decode_only(self) -> bool:
+        """Every row decodes one token (no chunk)."""
+        return self.n_decode == len(self.rows)
+
+    @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
 
@@ -70,13 +75,13 @@ class StepPlan:
 
     @cached_property
     def positions(self) -> np.ndarray:
-        if self.n_decode == len(self.rows):  # one token a row (a decode step): its start
+        if self.decode_only:  # a row's one position: its start
             return self.starts.astype(np.int64)
         return np.concatenate([np.arange(s, s + n) for s, n in zip(self.starts, self.lengths)]).astype(np.int64)
 
     @cached_property
     def write_slots(self) -> np.ndarray:
-        if self.n_decode == len(self.rows):  # one token a row, in its row's last page read
+        if self.decode_only:  # a row's one token, in the row's last page read
             return self.kv_pages[self.kv_indptr[1:] - 1] * self.page_size + self.starts % self.page_size
         pos = self.positions
         row_of = np.repeat(np.arange(len(self.rows)), self.lengths)

@@ -138,7 +138,7 @@ class TorchBackend(AttentionBackend):
             # eagerly (forward). Each token is one of its rows, at its own position over
             # its row's pages: the step writes every token's K/V before any attends, so a
             # chunk's tokens see each other causally, as in the eager path.
-            if step.n_decode == len(step.rows):  # a token a row: its row's offsets
+            if step.decode_only:  # a token a row: its row's offsets
                 page_at = step.kv_indptr
             else:
                 row_of = np.repeat(np.arange(len(step.rows)), step.lengths)

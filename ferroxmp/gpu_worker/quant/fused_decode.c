@@ -698,8 +698,10 @@ static int64_t argmax_of(const float* x, int n) {
   return 0;
 }
 
-/* top[r] = argmax_of(x[r][0 .. n)) for each of R rows. */
+/* top[r] = argmax_of(x[r][0 .. n)) for each of R rows, shared by the threads of an
+   enclosing parallel region (fused_decode's), else by the caller alone. */
 void rows_argmax(int R, int n, const float* x, int64_t* top) {
+  #pragma omp for schedule(static)
   for (int r = 0; r < R; r++) top[r] = argmax_of(x + (int64_t)r * n, n);
 }
 
@@ -778,10 +780,7 @@ void fused_decode(const Model* M, int R, float* h, const int64_t* ids, const flo
       #pragma omp single
       for (int r = 0; r < R; r++) rms(h + (int64_t)r * E, M->norm, x + (int64_t)r * E, E, M->eps);
       lin_team(&M->head, R, x, logits, xs);
-      if (top) {
-        #pragma omp for schedule(static)
-        for (int r = 0; r < R; r++) top[r] = argmax_of(logits + (int64_t)r * M->head.n, M->head.n);
-      }
+      if (top) rows_argmax(R, M->head.n, logits, top);
     }
     free(work);
   }
