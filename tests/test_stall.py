@@ -110,11 +110,12 @@ def test_a_process_silent_past_the_stall_timeout_is_dumped_and_the_server_stops(
     try:
         box: list = []
         prompt = [3, HANG_TOKEN, 9] if hang else [3, 4, 9]
-        t = threading.Thread(target=lambda: box.append(stream_generate(srv.url, prompt, 2000, timeout=30)))
+        # The scheduler is stopped the moment the first tokens arrive, not after a fixed
+        # sleep: a fast box streams all 2000 tokens of the tiny model in under a second.
+        stop = None if hang else (lambda: os.kill(srv.pids["scheduler"], signal.SIGSTOP))
+        t = threading.Thread(target=lambda: box.append(
+            stream_generate(srv.url, prompt, 2000, timeout=30, on_first=stop)))
         t.start()
-        if not hang:
-            time.sleep(1.0)
-            os.kill(srv.pids["scheduler"], signal.SIGSTOP)
         t0 = time.time()
         code = srv.wait_exit(30)
         t.join(30)
