@@ -87,9 +87,9 @@ class ServerArgs:
                                   "captured per padded batch size (CPU never uses graphs).")
     disable_fused_decode: bool = _f(False, "On CPU, run decode steps as torch ops only: a step of 1-16 decoding "
                                     "rows (int4/int8/float32 weights) eagerly instead of one native call "
-                                    "through every layer (quant/fused_decode.c), and float32 products through "
-                                    "torch's F.linear (MKL) instead of f32_mm (1-16 rows) and oneDNN (more) (the "
-                                    "same tokens, within float rounding).")
+                                    "through every layer (quant/fused_decode.c), and float32 weights as plain "
+                                    "tensors through torch's F.linear (MKL) instead of in panels through "
+                                    "quant/groups.c's kernel (the same tokens, within float rounding).")
     swa_release_interval: int = _f(32, "Steps between releases of pages outside every sliding window.")
     tp: int = _f(1, "Tensor-parallel ranks in all (one worker process each, split evenly over --nnodes); "
                  "must divide the attention heads and the MLP width.")

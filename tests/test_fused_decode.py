@@ -10,8 +10,8 @@ within a bound (float32 rounding over a few thousand terms, amplified by 2-4 lay
 checked by what later steps read: a row that sits out a step leaves the decode mirror
 and is refilled from the pool (so a missing pool write would change its tokens), and a
 mixed step (a prefill beside a decoding row: eager) reads back from the pool the K/V
-the fused steps wrote (with float32 weights, its rows through the GEMM, or f32_mm at
-1-16 rows).
+the fused steps wrote (with float32 weights, its rows through the same panels' kernel,
+whose rows round alike at any row count).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ferroxmp.gpu_worker.quant.fused_decode import FUSED_ROWS, FusedDecode
-from ferroxmp.gpu_worker.quant.packed import linear, cpu_f32_linear
+from ferroxmp.gpu_worker.quant.packed import PackedF32
 from ferroxmp.protocol import RowStep, SamplingParams, unpack_ids
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -76,8 +76,9 @@ def test_decoding_rows_in_one_call_give_the_eager_steps_tokens_and_logits(tiny_m
     eager = make_harness(tiny_models[shape], page_size=4, max_rows=3, pages_per_row=64, quantization=mode,
                          fused_decode=False)
     assert eager.runner.model.fused_decode is None
-    if mode == "none":  # the two rows' steps: f32_mm against torch's GEMM
-        assert fused.runner.model.linear is cpu_f32_linear and eager.runner.model.linear is linear
+    if mode == "none":  # float32 panels (any row count) against torch's F.linear on plain weights
+        assert isinstance(fused.runner.model.layers[0].w_qkv, PackedF32)
+        assert isinstance(eager.runner.model.layers[0].w_qkv, torch.Tensor)
     got, got_logits, calls = _drive(fused)
     want, want_logits, _ = _drive(eager)
     assert calls == FUSED_CALLS, f"the steps of <= 16 tokens did not all take the fused path: {calls}"
@@ -148,10 +149,10 @@ def test_the_real_model_answers_the_same_in_one_call(make_harness, mode):
 def test_where_it_cannot_run_the_step_stays_eager_and_says_why(tiny_models, make_harness):
     fp16 = make_harness(tiny_models["llama"], quantization="fp16")  # FBGEMM's packed float16
     assert fp16.runner.model.fused_decode is None
-    assert "float32 rows" in FusedDecode.why_not(fp16.runner.model, fp16.runner.kv, fp16.runner.attn)
+    assert "float32 panels" in FusedDecode.why_not(fp16.runner.model, fp16.runner.kv, fp16.runner.attn)
     bf16 = make_harness(tiny_models["llama"], quantization="none", dtype="bfloat16")
     assert bf16.runner.model.fused_decode is None
-    assert "float32 rows" in FusedDecode.why_not(bf16.runner.model, bf16.runner.kv, bf16.runner.attn)
+    assert "float32 panels" in FusedDecode.why_not(bf16.runner.model, bf16.runner.kv, bf16.runner.attn)
     det = make_harness(tiny_models["llama"], quantization="none", deterministic=True)
     assert det.runner.model.fused_decode is None
     assert "--deterministic" in FusedDecode.why_not(det.runner.model, det.runner.kv, det.runner.attn)

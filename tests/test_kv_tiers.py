@@ -144,7 +144,7 @@ def test_a_load_waits_about_as_long_as_recomputing_would_take():
 def test_a_corrupted_page_file_is_dropped_and_its_part_recomputed(make_engine, tmp_path, deterministic):
     """The page is recomputed and written again: the same bytes under --deterministic;
     by default the same values to float32 rounding, since the recompute's steps have other
-    row counts (1-16 rows go through f32_mm, more through MKL: each rounds its own way)."""
+    row counts (a step may sum in another order at another row count)."""
     prompt = prompts(1, 41, seed=4)[0]
     first = make_engine(kv_dir=str(tmp_path / "kv"), deterministic=deterministic)
     want, _, _ = run(first, prompt)

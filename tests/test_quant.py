@@ -157,52 +157,41 @@ def _f32_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tenso
     return 2 * (w.shape[1] + 1) * 2.0 ** -24 * (x.abs() @ w.abs().T + b.abs()).double()
 
 
-def test_float32_weights_go_through_f32_mm_at_1_to_16_rows_and_gemm_past_that_within_float_rounding(monkeypatch):
-    """cpu_f32_linear (the runner's model.linear for float32 on CPU): 1-16 rows through
-    groups.c's f32_mm (one row: its own row-at-a-time path), more through packed.gemm
-    (oneDNN), each against the float64 product; a weight of 99 rows (the tail path).
-    A K that is not a multiple of 32 stays F.linear's at 1-16 rows, to the bit."""
-    from ferroxmp.gpu_worker.quant import packed
-    calls, gemms = [], []
-
-    class Counting:
-        def __init__(self, lib):
-            self.lib = lib
-
-        def f32_mm(self, *a):
-            calls.append(a[0])
-            return self.lib.f32_mm(*a)
-    native, gemm = packed.library(), packed.gemm
-    monkeypatch.setattr(packed, "library", lambda: Counting(native))
-    monkeypatch.setattr(packed, "gemm", lambda x2, *a: gemms.append(x2.shape[0]) or gemm(x2, *a))
+def test_float32_panels_multiply_within_float_rounding_at_any_row_count():
+    """PackedF32 (the runner's form of float32 weights on CPU): groups.c's panels at 1-300
+    rows (one tile, several, a tile's tail; past 16 rows the work items of many rows),
+    against the float64 product; weights whose rows 32 does not divide (a zero-padded last
+    panel) and a K that no vector width divides. Its lookup and dequantize give the
+    weight's own values, to the bit."""
+    from ferroxmp.gpu_worker.quant.packed import PackedF32
     g = torch.Generator().manual_seed(3)
-    w, b = torch.randn(99, 320, generator=g), torch.randn(99, generator=g)
-    for rows in (1, 2, 3, 5, 8, 9, 13, 16, 17, 64, 300):
-        x = torch.randn(rows, 320, generator=g)
-        exact = F.linear(x.double(), w.double(), b.double())
-        for bias in (b, None):
-            got = packed.cpu_f32_linear(x, w, bias).double() + (b if bias is None else 0)
-            assert ((got - exact).abs() <= _f32_bound(x, w, b)).all(), rows
-    assert calls == [r for r in (1, 1, 2, 2, 3, 3, 5, 5, 8, 8, 9, 9, 13, 13, 16, 16)]
-    assert gemms == [17, 17, 64, 64, 300, 300]
-    x, w2 = torch.randn(4, 100, generator=g), torch.randn(99, 100, generator=g)
-    assert torch.equal(packed.cpu_f32_linear(x, w2, b), F.linear(x, w2, b))
-    assert len(calls) == 16
+    for n, k in ((99, 320), (64, 96), (33, 100)):
+        w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        p = PackedF32(w)
+        assert p.shape == w.shape and torch.equal(p.dequantize(), w)
+        ids = torch.tensor([0, 31, 32, n - 1])
+        assert torch.equal(p.lookup(ids, torch.float32), w[ids])
+        for rows in (1, 2, 3, 5, 8, 11, 12, 13, 16, 17, 64, 300):
+            x = torch.randn(rows, k, generator=g)
+            exact = F.linear(x.double(), w.double(), b.double())
+            for bias in (b, None):
+                got = p(x, bias).double() + (b if bias is None else 0)
+                assert ((got - exact).abs() <= _f32_bound(x, w, b)).all(), (n, k, rows)
 
 
-def test_f32_mm_rounds_each_of_up_to_6_rows_as_it_rounds_one_row_alone():
-    """A float32 verify of up to 5 drafts (6 rows) rounds each row as the one-row step
-    does, so such a verify cannot move a greedy token by rounding: groups.c multiplies
-    1-6 rows in one order (STREAM_ROWS). 7+ rows (a longer draft) take another order,
-    within float rounding of the product (the test above)."""
-    from ferroxmp.gpu_worker.quant.packed import f32_mm
+def test_a_float32_row_rounds_alike_whatever_rows_share_its_call():
+    """Each output of the panels' kernel is one chain of multiply-adds over k in every path
+    (the tiles of 1-12 rows, the work items past 16 rows), so a row's result does not
+    depend on the other rows or their number, to the bit: a speculative verify rounds as
+    the one-token steps do, and a decode batch as each row alone."""
+    from ferroxmp.gpu_worker.quant.packed import PackedF32
     g = torch.Generator().manual_seed(5)
-    w = torch.randn(99, 320, generator=g)
-    x = torch.randn(6, 320, generator=g) * torch.logspace(-3, 3, 6)[:, None]
-    alone = torch.cat([f32_mm(x[i:i + 1].contiguous(), w) for i in range(6)])
-    for rows in range(2, 7):
-        for start in range(0, 7 - rows):
-            assert torch.equal(f32_mm(x[start:start + rows].contiguous(), w), alone[start:start + rows]), (rows, start)
+    p = PackedF32(torch.randn(99, 320, generator=g))
+    x = torch.randn(200, 320, generator=g) * torch.logspace(-3, 3, 200)[:, None]
+    alone = torch.cat([p(x[i:i + 1].contiguous()) for i in range(200)])
+    for rows in (2, 5, 6, 7, 12, 13, 16, 17, 48, 49, 193, 200):
+        for start in (0, 200 - rows):
+            assert torch.equal(p(x[start:start + rows].contiguous()), alone[start:start + rows]), (rows, start)
 
 
 @pytest.mark.parametrize("march", ["haswell", "skylake-avx512"])
@@ -210,11 +199,11 @@ def test_the_avx2_build_of_the_kernels_computes_what_the_native_one_does(tmp_pat
     """On an AVX-512 VNNI machine the native build runs neither the AVX2 code (haswell)
     nor int4x16's AVX-512 path without VNNI (skylake-avx512); such a build in a subprocess
     (its own cache) must meet the same bounds at 1, 3, 13, 17 and 40 rows, on a weight of
-    99 rows (not a multiple of the rows a block takes); f32_mm too."""
+    99 rows (not a multiple of the rows a block takes); float32 panels too, to the bit."""
     from avx2_build import run_avx2
     code = ("import torch, torch.nn.functional as F\n"
             "from ferroxmp.gpu_worker.quant import Groups\n"
-            "from ferroxmp.gpu_worker.quant.packed import cpu_f32_linear\n"
+            "from ferroxmp.gpu_worker.quant.packed import PackedF32\n"
             "from int4_oracle import product_and_bound\n"
             "torch.manual_seed(0)\n"
             "for fmt in ('int4', 'int8'):\n"
@@ -224,14 +213,21 @@ def test_the_avx2_build_of_the_kernels_computes_what_the_native_one_does(tmp_pat
             "        want, bound = product_and_bound(g, x)\n"
             "        assert ((g(x).double() - want).abs() <= bound).all(), (fmt, rows)\n"
             "w, b = torch.randn(99, 320), torch.randn(99)\n"
-            "for rows in (1, 3, 13):\n"
-            "    x = torch.randn(rows, 320)\n"
-            "    err = (cpu_f32_linear(x, w, b).double() - F.linear(x.double(), w.double(), b.double())).abs()\n"
+            "xs, ys = [torch.randn(rows, 320) for rows in (1, 3, 13, 17, 40)], []\n"
+            "for x in xs:\n"
+            "    ys.append(PackedF32(w)(x, b))\n"
+            "    err = (ys[-1].double() - F.linear(x.double(), w.double(), b.double())).abs()\n"
             "    bound = 2 * 321 * 2.0 ** -24 * (x.abs() @ w.abs().T + b.abs()).double()\n"
-            "    assert (err <= bound).all(), ('float32', rows)\n"
+            "    assert (err <= bound).all(), ('float32', x.shape[0])\n"
+            f"torch.save((w, b, xs, ys), {str(tmp_path / 'f32.pt')!r})\n"
             "print('ok')\n")
     out = run_avx2(code, tmp_path, march)
     assert out == "ok", out
+    # float32 panels: one FMA chain per output in either build, so the same bits as this one
+    from ferroxmp.gpu_worker.quant.packed import PackedF32
+    w, b, xs, ys = torch.load(tmp_path / "f32.pt")
+    for x, y in zip(xs, ys):
+        assert torch.equal(PackedF32(w)(x, b), y), x.shape[0]
 
 
 def test_groups_cut_and_fused_hold_the_same_values_and_a_cut_inside_a_group_is_refused():

@@ -12,8 +12,8 @@ activations), `quantized::linear_dynamic` (int8 weights per row AND activations
 quantized to uint8 per call: W8A8), and ferroxmp's own groups of 32: `grp-int4` =
 GGUF Q4_1's values in quant/int4x16.c's blocks of 16 rows (activations on a 16-bit grid,
 integer dot products: what a built model multiplies), `grp-int8` = Q8_0's (quant/groups.c,
-float32 activations), `grp-f32`: float32 weights through groups.c's blocks, f32_mm, what
-packed.cpu_f32_linear calls at 1-16 rows). Each cell is the median of `repeats` rounds; the kernels alternate
+float32 activations), `grp-f32`: float32 weights in groups.c's panels, packed.PackedF32,
+what a float32 model multiplies on CPU). Each cell is the median of `repeats` rounds; the kernels alternate
 inside a round so that load from other processes hits them alike. Prints one table
 (ms per call and the speed-up over float32). On a shared box, label the figures
 contaminated.
@@ -56,14 +56,14 @@ def kernels(n: int, k: int, group: int = 32):
     fb8 = torch.ops.quantized.linear_prepack(qw, None)
     fb16 = torch.ops.quantized.linear_prepack_fp16(w, None)
     from ferroxmp.gpu_worker.quant import Groups, pack
-    from ferroxmp.gpu_worker.quant.packed import f32_mm
+    from ferroxmp.gpu_worker.quant.packed import PackedF32
     g4, g8 = pack(Groups.quantize(w, "int4"), torch.float32), Groups.quantize(w, "int8")
     return {"f32": lambda x: F.linear(x, w),
             "int8": lambda x: torch.ops.aten._weight_int8pack_mm(x, q8, s8),
             "int4": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz),
             "fb-fp16": lambda x: torch.ops.quantized.linear_dynamic_fp16(x, fb16),
             "fb-w8a8": lambda x: torch.ops.quantized.linear_dynamic(x, fb8, True),
-            "grp-int4": g4, "grp-int8": g8, "grp-f32": lambda x: f32_mm(x, w)}
+            "grp-int4": g4, "grp-int8": g8, "grp-f32": PackedF32(w)}
 
 
 GGML_OP_MUL_MAT, GGML_F32 = 29, 0  # enum values in ggml.h of llama-cpp-python 0.3.36's tree
@@ -107,17 +107,20 @@ def timed(fn, x, calls: int) -> float:
 def f32_stack(layers: int, rows: list[int], repeats: int) -> None:
     """Float32 weights as a decode step reads them: `layers` layers' own matrices (qkv, o,
     gate+up, down: ~515 MB at 30, past any cache) then the LM head, once per pass, through
-    torch's F.linear (MKL) and groups.c's f32_mm, in 4 KiB pages, and f32_mm again on a copy
-    in 2 MiB pages (`f32_mm 2M`: gpu_worker/huge_pages.py's region, where a served model's
-    weights live); median ms per pass, alternating."""
-    from ferroxmp.gpu_worker.huge_pages import WeightArena
-    from ferroxmp.gpu_worker.quant.packed import f32_mm
+    torch's F.linear (MKL) and groups.c's panels (PackedF32), in 4 KiB pages, and the panels
+    again in 2 MiB pages (`panels 2M`: gpu_worker/huge_pages.py's region, where a served
+    model's weights live); median ms per pass, alternating."""
+    from ferroxmp.gpu_worker.huge_pages import WeightArena, tensors_of
+    from ferroxmp.gpu_worker.quant.packed import PackedF32
     ws = [torch.randn(n, k) for _ in range(layers) for n, k in
           (SHAPES["qkv 960x576"], SHAPES["q/o 576x576"], SHAPES["gate+up 3072x576"], SHAPES["down 576x1536"])]
     head = torch.randn(*SHAPES["head 49152x576"])
-    huge = [w.clone() for w in ws + [head]]
-    arena = WeightArena(huge)
-    stacks = {"F.linear": (F.linear, ws, head), "f32_mm": (f32_mm, ws, head), "f32_mm 2M": (f32_mm, huge[:-1], huge[-1])}
+    panels = [PackedF32(w) for w in ws + [head]]
+    huge = [PackedF32(w) for w in ws + [head]]
+    arena = WeightArena(tensors_of(huge))
+    stacks = {"F.linear": (lambda x, w: F.linear(x, w), ws, head),
+              "panels": (lambda x, w: w(x), panels[:-1], panels[-1]),
+              "panels 2M": (lambda x, w: w(x), huge[:-1], huge[-1])}
 
     print(f"float32, {layers} layers then the head, median of {repeats} passes (ms): layers / head "
           f"({arena.huge_bytes() / 2**20:.0f} of {arena.nbytes / 2**20:.0f} MiB of the 2M copy in huge pages)")
@@ -145,7 +148,7 @@ def main() -> None:
     p.add_argument("--llama-ops", default=None, help="llama.cpp's test-backend-ops binary: time its "
                    "Q4_1/Q8_0 MUL_MAT on the same shapes")
     p.add_argument("--f32-stack", type=int, default=0, metavar="LAYERS",
-                   help="instead: float32 F.linear vs f32_mm over LAYERS layers' matrices and the head")
+                   help="instead: float32 F.linear vs the panels (PackedF32) over LAYERS layers' matrices and the head")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     if a.f32_stack:

@@ -7,7 +7,7 @@ there (`t.data = view`: the objects holding them keep their identity).
 
 Why: a decode step streams every weight once, and in 4 KiB pages the CPU takes a TLB
 miss every 4 KiB and its prefetchers stop at each page's end. float32 SmolLM2's 30
-layers and head through f32_mm at one row: -14% from the same bytes in 2 MiB pages
+layers and head through the float32 kernel at one row: -14% from the same bytes in 2 MiB pages
 (tools/bench_quant.py --f32-stack; docs/BENCHMARKS.md 27). The kernel's THP mode
 "madvise" (a common default) backs a region with huge pages only where it is asked to;
 under "never" the region is ordinary pages and nothing else changes. Resident cost: the

@@ -41,7 +41,6 @@ from ferroxmp.gpu_worker.quant import describe_bytes, resolve_mode
 from ferroxmp.gpu_worker.quant.native import available as native_available
 from ferroxmp.gpu_worker.quant.fused_decode import FUSED_ROWS, FusedDecode
 from ferroxmp.gpu_worker.quant.glue import RowGlue
-from ferroxmp.gpu_worker.quant.packed import cpu_f32_linear
 from ferroxmp.heap import release_freed_memory
 from ferroxmp.gpu_worker.sampling.sampler import RowSample, logprobs_of, sample, sample_rows
 
@@ -87,9 +86,14 @@ class ModelRunner:
         # --quantization: 'none', 'fp16', 'int8' or 'int4' for this checkpoint and device (quant/policy.py)
         self.quantization = resolve_mode(quantization, model_path, self.device, deterministic)
         self.tp = tp  # --tp > 1: a tp_step.Leader, which tells the other ranks each step
+        # float32 on CPU where the native kernels load: the native RMSNorm/RoPE/SiLU-mul, and
+        # (one rank, not --deterministic, whose matmuls need plain tensors) every weight in
+        # groups.c's panels (PackedF32: any row count, quant/packed.py)
+        native_f32 = fused_decode and self.device.type == "cpu" and self.config.dtype == torch.float32 \
+            and native_available() is None
         if tp is None:
             weights = load_weights(model_path, self.device, self.config.dtype, quantization=self.quantization)
-            self.model = build_model(self.config, weights, self.device)
+            self.model = build_model(self.config, weights, self.device, f32_panels=native_f32 and not deterministic)
             shape = self.config
         else:  # this rank's shard (parallel/group.py): its heads, its slice of the MLP and vocabulary
             self.model, shape = tp.build_model(model_path, self.config, self.device, self.quantization)
@@ -100,9 +104,7 @@ class ModelRunner:
             from ferroxmp.gpu_worker.batch_invariant import make_deterministic
             make_deterministic(self.model)
             attention = "det"
-        elif fused_decode and self.device.type == "cpu" and self.config.dtype == torch.float32 \
-                and native_available() is None:
-            self.model.linear = cpu_f32_linear  # 1-16 activation rows through f32_mm, more through oneDNN (quant/packed.py)
+        elif native_f32:
             self.model.glue = RowGlue(self.model.cos_table, self.model.sin_table)  # native RMSNorm/RoPE/SiLU-mul
         self.page_size = page_size
         self._shape, self._attention = shape, attention

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ferroxmp.gpu_worker.attention import AttentionBackend
 from ferroxmp.gpu_worker.loader import ModelConfig
-from ferroxmp.gpu_worker.quant import cat_rows
+from ferroxmp.gpu_worker.quant import PackedF32, cat_rows
 from ferroxmp.gpu_worker.quant import linear as quant_linear
 from ferroxmp.gpu_worker.quant import pack as quant_pack
 from ferroxmp.heap import release_freed_memory
@@ -71,7 +71,8 @@ class Layer:
 
 
 class DecoderLM:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
+                 f32_panels: bool = False):
         self.cfg = cfg
         self.device = device
         # Hooks the worker may replace (one place each, so modes never edit forward()):
@@ -94,8 +95,8 @@ class DecoderLM:
         # models.build_model after the model is built: huge_pages.py); None elsewhere.
         self.weight_arena = None
 
-        def pack(w):  # a quantized weight in its kernel's layout (quant/packed.py)
-            return quant_pack(w, cfg.dtype)
+        def pack(w):  # a quantized weight in its kernel's layout, float32 in panels where asked (quant/packed.py)
+            return quant_pack(w, cfg.dtype, f32_panels)
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
@@ -123,11 +124,14 @@ class DecoderLM:
                 w_down=pack(take(m + "down_proj.weight"))))
         self.norm = take("model.norm.weight")
         # Quantized: the embedding is packed too (Int4x16 / Int8x16 read rows natively) and
-        # a tied head multiplies by the same object; under fp16 the head is packed for
-        # FBGEMM (a tied head: a second, packed copy of the float16 values) and the
-        # embedding stays a float16 tensor.
+        # a tied head multiplies by the same object; float32 panels: the embedding's rows are
+        # looked up in panels too (a tied one in the head's: one copy); under
+        # fp16 the head is packed for FBGEMM (a tied head: a second, packed copy of the
+        # float16 values) and the embedding stays a float16 tensor.
         self.lm_head = pack(self.embed if cfg.tie_word_embeddings else weights.pop("lm_head.weight", self.embed))
         if not isinstance(self.embed, torch.Tensor):
+            self.embed = self.lm_head if cfg.tie_word_embeddings else pack(self.embed)
+        elif isinstance(self.lm_head, PackedF32):
             self.embed = self.lm_head if cfg.tie_word_embeddings else pack(self.embed)
         # One float32 table for every position, indexed per step (same bits as computing
         # position * inv_freq on the fly, as transformers does).

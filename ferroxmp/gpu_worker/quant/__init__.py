@@ -3,8 +3,8 @@
 Modules (one job each):
 - groups.py  Groups: a weight in groups of 32 values (int4 = GGUF's Q4_1 layout, int8 =
              Q8_0), sliced, fused and padded like a tensor, called like F.linear.
-- groups.c   int8's matmul and widening kernels, and f32_mm (AVX2 / AVX-512, float32
-             activations).
+- groups.c   float32 weights in panels times activation rows (f32_panel_mm) and the
+             float lanes the other C files build on (AVX2 / AVX-512).
 - int4x16.py Int4x16: an int4 weight repacked in blocks of 16 rows once the model is built;
   int4x16.c  its kernel: integer dot products against activations on a 16-bit grid.
 - fused_decode.c  up to 16 decoding rows through every layer in one call (includes groups.c
@@ -12,8 +12,8 @@ Modules (one job each):
 - fused_decode.py FusedDecode: when the runner uses it, and its ctypes side.
 - glue.py    RowGlue: fused_decode.c's RMSNorm / RoPE / SiLU-mul loops for an eager step.
 - native.py  builds the three C files (one translation unit) for this CPU at first use.
-- packed.py  PackedF16 (FBGEMM's fp16 GEMM), `pack` (which form a loaded weight takes)
-             and `linear`, the dispatch DecoderLM uses.
+- packed.py  PackedF16 (FBGEMM's fp16 GEMM), PackedF32 (groups.c's panels), `pack`
+             (which form a loaded weight takes) and `linear`, the dispatch DecoderLM uses.
 - policy.py  which mode a checkpoint gets (--quantization auto/none/fp16/int8/int4),
              which format each tensor takes, the byte accounting reported at start and
              in /server_info.
@@ -27,8 +27,8 @@ the first tokens. groups.c keeps activations float32; int4x16.c rounds them per 
 integer dot products: 1.3-1.9x the float path (docs/BENCHMARKS.md 24).
 """
 from ferroxmp.gpu_worker.quant.groups import Groups, cat_rows
-from ferroxmp.gpu_worker.quant.packed import PackedF16, linear, pack
+from ferroxmp.gpu_worker.quant.packed import PackedF16, PackedF32, linear, pack
 from ferroxmp.gpu_worker.quant.policy import QUANTIZED_SUFFIXES, describe_bytes, resolve_mode, should_quantize, target_format, tensor_bytes
 
-__all__ = ["Groups", "PackedF16", "QUANTIZED_SUFFIXES", "cat_rows", "describe_bytes", "linear", "pack",
+__all__ = ["Groups", "PackedF16", "PackedF32", "QUANTIZED_SUFFIXES", "cat_rows", "describe_bytes", "linear", "pack",
            "resolve_mode", "should_quantize", "target_format", "tensor_bytes"]

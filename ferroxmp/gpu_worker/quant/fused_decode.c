@@ -10,15 +10,15 @@
    (RMSNorm, RoPE, q/k norms, the KV writes, attention over each row's pages, SiLU-mul,
    the residual adds) is a few loops over a few thousand floats per row, and the matmuls
    are int4x16.c's and groups.c's small-M kernels (OpenMP over output rows), every row of
-   the step in one pass over each weight. Past 16 rows MKL's GEMM multiplies float32 faster
-   (packed.cpu_f32_linear's range) and the step runs eagerly.
+   the step in one pass over each weight. Past 16 rows (FUSED_ROWS) a step's compute, not
+   its glue, is its time, and it runs eagerly.
 
    Numerics follow models/llama.py in float32 (RMSNorm: x * rsqrt(mean(x^2) + eps), then
    the weight; RoPE: x * cos + rotate_half(x) * sin; softmax scale head_dim ** -0.5); sums
    run in another order than torch's, so results agree within float rounding, not to the
    bit (tests/test_fused_decode.py bounds the difference and compares greedy tokens). A
-   row's sums do not depend on the other rows of the step (the kernels' blocks), except
-   that float32 takes another order for a step of more than 6 rows (groups.c's STREAM_ROWS).
+   row's sums do not depend on the other rows of the step (the kernels' blocks; float32
+   panels round a row alike at any row count, groups.c).
 
    KV: row r's K/V go to the pool (layout "hnd": [layers][kv_heads][slots][head_dim];
    float32, or float16 under --kv-cache-dtype float16: store_kv) at `slot[r]`, and
@@ -34,7 +34,7 @@
 #include "int4x16.c"
 
 typedef struct {
-  const uint8_t* q; const uint16_t* d; const uint16_t* m;  /* int4x16.c's blocks: m int4, NULL int8; d NULL: float32 */
+  const uint8_t* q; const uint16_t* d; const uint16_t* m;  /* int4x16.c's blocks: m int4, NULL int8; d NULL: float32 panels (groups.c) */
   const float* bias;  /* NULL: none */
   int n, k;
 } Lin;
@@ -71,9 +71,9 @@ static void store_kv(const Model* M, void* pool, int64_t at, float* x, int n) {
 
 
 /* y[R][n] = x[R][k] W^T (+ bias), shared by the threads of the enclosing parallel region
-   (f32_mm_team, x16_mm_team). xs: the int4/int8 kernel's scratch (int4x16_scratch bytes). */
+   (f32_panel_mm_team, x16_mm_team). xs: the int4/int8 kernel's scratch (int4x16_scratch bytes). */
 static void lin_team(const Lin* w, int R, const float* x, float* y, float* xs) {
-  if (!w->d) f32_mm_team(R, w->n, w->k, x, (const float*)w->q, y);
+  if (!w->d) f32_panel_mm_team(R, w->n, w->k, x, (const float*)w->q, y);
   else x16_mm_team(!w->m, R, w->n, w->k, x, w->q, w->d, w->m, xs, y);
   if (w->bias) {
     #pragma omp for schedule(static)
@@ -582,7 +582,7 @@ static inline size_t att_work_floats(const Model* M) {
 }
 
 /* Layer l's attention shared by the threads of the enclosing parallel region (orphaned
-   worksharing, as f32_mm_team), each with its own `work`. */
+   worksharing, as f32_panel_mm_team), each with its own `work`. */
 static void att_team(const Model* M, const AttPlan* A, int l, int R, const float* q, int64_t q_stride, float* o,
                      const int64_t* pos, const int64_t* page_at, const int64_t* pages, float* p, int64_t span,
                      float* work) {
@@ -661,11 +661,16 @@ void rows_silu_mul(int R, int I, const float* gu, float* a) {
   for (int r = 0; r < R; r++) silu_mul(gu + (int64_t)r * 2 * I, gu + (int64_t)r * 2 * I + I, a + (int64_t)r * I, I);
 }
 
-/* Row `id` of the embedding table into out[K]: float32 rows copied, int4/int8 blocks
-   widened (int4x16.c's lookup). */
+/* Row `id` of the embedding table into out[K]: float32 panels read down one lane (a
+   tied head's table is its panels: groups.c), int4/int8 blocks widened (int4x16.c's
+   lookup). */
 static void embed_row(const Lin* e, int64_t id, float* out) {
-  if (!e->d) memcpy(out, (const float*)e->q + id * e->k, sizeof(float) * e->k);
-  else x16_row(e->k, e->q, e->d, e->m, id, out);
+  if (!e->d) {
+    const float* col = (const float*)e->q + (id / PANEL) * (int64_t)e->k * PANEL + id % PANEL;
+    for (int k = 0; k < e->k; k++) out[k] = col[(int64_t)k * PANEL];
+  } else {
+    x16_row(e->k, e->q, e->d, e->m, id, out);
+  }
 }
 
 /* The index of the largest of x[0 .. n): the first of equal ones, the first NaN if any

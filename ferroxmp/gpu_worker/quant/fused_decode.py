@@ -1,7 +1,7 @@
 """FusedDecode: a decode step of up to 16 rows through every layer in one native call.
 
 Job: for a model whose linear weights are Groups (--quantization int4/int8, or a Q4/Q8
-GGUF) or float32 tensors, computing in float32 on CPU, run a step whose rows all decode
+GGUF) or PackedF32 (float32 in panels), computing in float32 on CPU, run a step whose rows all decode
 one token (the single stream's every token; a batch of up to FUSED_ROWS users) as
 `fused_decode.c`'s `fused_decode` instead of ~600 eager torch ops. `build` says why not
 when it cannot (the model then runs eagerly, as before); `__call__` takes the rows'
@@ -23,11 +23,11 @@ import torch
 
 from ferroxmp.gpu_worker.quant.int4x16 import Int4x16
 from ferroxmp.gpu_worker.quant.native import available, library, ptr
-from ferroxmp.gpu_worker.quant.packed import SMALL_ROWS, linear, cpu_f32_linear
+from ferroxmp.gpu_worker.quant.packed import PackedF32, linear
 
-# Rows per fused step: its matmuls are groups.c's small-M kernels, and past 16 rows a GEMM
-# multiplies float32 weights faster (packed.cpu_f32_linear's range).
-FUSED_ROWS = SMALL_ROWS[1]
+# Rows per fused step: what it saves is the eager step's glue (~600 torch calls), which a
+# step of more rows amortizes over its compute.
+FUSED_ROWS = 16
 
 
 class _Lin(ctypes.Structure):
@@ -60,21 +60,18 @@ def _float32(t: Optional[torch.Tensor], keep: list) -> Optional[int]:
 
 
 def _lin(w, bias: Optional[torch.Tensor], keep: list) -> _Lin:
-    """Int4x16, Int8x16 (m NULL) or a float32 tensor (d NULL): fused_decode.c tells them
-    apart by those fields."""
+    """Int4x16, Int8x16 (m NULL) or PackedF32 (d NULL: its panels): fused_decode.c tells
+    them apart by those fields."""
     n, k = w.shape
-    if isinstance(w, torch.Tensor):
-        return _Lin(_float32(w, keep), None, None, _float32(bias, keep), n, k)
+    if isinstance(w, PackedF32):
+        return _Lin(_addr(w.panels), None, None, _float32(bias, keep), n, k)
     return _Lin(_addr(w.q), _addr(w.d), _addr(w.m), _float32(bias, keep), n, k)
 
 
 def _fits(w) -> bool:
     """A weight fused_decode.c multiplies: int4 / int8 packed (Int4x16, Int8x16), or float32
-    rows of whole groups of 32 values on CPU (f32_mm's blocks)."""
-    if isinstance(w, Int4x16):  # Int8x16 too
-        return True
-    return (isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == "cpu"
-            and w.is_contiguous() and w.shape[1] % 32 == 0)
+    panels (PackedF32) of rows of whole groups of 32 values, as the other weights'."""
+    return isinstance(w, Int4x16) or (isinstance(w, PackedF32) and w.in_features % 32 == 0)  # Int8x16 too
 
 
 class FusedDecode:
@@ -93,13 +90,13 @@ class FusedDecode:
                         kv.k.data_ptr(), kv.v.data_ptr(), kv.num_slots, kv.page_size,
                         int(kv.dtype == torch.float16), _float32(model.norm, self._keep))
         # The final norm and LM head in the same call, where this file multiplies the head
-        # (float32 rows, int4/int8 blocks): `logits` then asks for them.
+        # (float32 panels, int4/int8 blocks): `logits` then asks for them.
         self.has_head = _fits(model.lm_head)
         self.vocab = model.lm_head.shape[0] if self.has_head else None
         if self.has_head:
             self.m.head = _lin(model.lm_head, None, self._keep)
         # The embedding's rows looked up in the call where this file reads the table
-        # (float32 rows, int4/int8 blocks; not under --tp, whose lookup is vocab-parallel).
+        # (float32 panels, int4/int8 blocks; not under --tp, whose lookup is vocab-parallel).
         # Every id the step may see (a prompt's, below the config's vocabulary; a sampled
         # one, below the head's) must be a row of the table: C does not check.
         self.embeds = (_fits(model.embed) and model.embed.shape[1] == cfg.hidden_size
@@ -119,15 +116,15 @@ class FusedDecode:
     def why_not(model, kv, attn) -> Optional[str]:
         """None when the fused step can run this model on this pool, else the reason."""
         cfg = model.cfg
+        if model.linear is not linear:
+            return "the model's matmuls are replaced (--deterministic)"
         weights = [w for L in model.layers for w in (L.w_qkv, L.w_o, L.w_gate_up, L.w_down)]
         if not all(_fits(w) for w in weights):
-            return "its linear weights are not all packed int4/int8 or float32 rows of whole groups of 32"
+            return "its linear weights are not all packed int4/int8 or float32 panels of rows of whole groups of 32"
         if cfg.dtype != torch.float32 or kv.device.type != "cpu":
             return "it computes in float32 on CPU only"
         if kv.dtype not in (torch.float32, torch.float16):
             return f"it stores K/V as float32 or float16, not {kv.dtype}"
-        if model.linear not in (linear, cpu_f32_linear):
-            return "the model's matmuls are replaced (--deterministic)"
         if attn.window is not None or kv.layout != "hnd":
             return "it needs the CPU attention backend and a model without a sliding window"
         return available()

@@ -1,14 +1,8 @@
-/* Float32 weights times a few activation rows (f32_mm): the matmuls of fused_decode.c's
-   step over float32 weights and packed.cpu_f32_linear's 1-16 rows, where MKL's small-M
-   GEMM read the LM head at half this rate and its one-row path at 0.4x; past 16 rows a
-   GEMM's blocking wins (packed.gemm: oneDNN; docs/BENCHMARKS.md 22-23). Also the float
-   lanes (VEC, VFMA, hsum...) that int4x16.c and fused_decode.c build on. int4 and int8
-   weights have their own layout and kernel (int4x16.c), included after this file.
-
-   y[M, N] = x[M, K] @ W^T, K a multiple of 32: each output a dot product in float32
-   lanes. The order of the sum depends on K and on the path (up to STREAM_ROWS
-   activation rows, or more), never on the values of the other rows. Built with the machine's compiler at
-   first use (native.py). */
+/* Float32 weights in panels times activation rows (f32_panel_mm, below): the matmuls of
+   fused_decode.c's step over float32 weights and of packed.PackedF32 at any row count.
+   Also the float lanes (VEC, VFMA, hsum...) that int4x16.c and fused_decode.c build on.
+   int4 and int8 weights have their own layout and kernel (int4x16.c), included after
+   this file. Built with the machine's compiler at first use (native.py). */
 #include <stdint.h>
 #include <immintrin.h>
 
@@ -28,25 +22,13 @@ static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 #define VADD _mm512_add_ps
 #define VSET1 _mm512_set1_ps
 /* The sum of v's lanes: lane j + lane j + 8, then those j + j + 4, then 0 + 2 and 1 + 3,
-   then the two (GCC's _mm512_reduce_add_ps, written out so that hsum4 adds the same
-   pairs in the same order whatever the compiler). */
+   then the two (GCC's _mm512_reduce_add_ps, written out: the same order whatever the
+   compiler). */
 static inline float hsum(__m512 v) {
   __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   q = _mm_add_ps(q, _mm_shuffle_ps(q, q, 0x4E));
   return _mm_cvtss_f32(q) + _mm_cvtss_f32(_mm_shuffle_ps(q, q, 0x55));
-}
-/* out[0..4) = hsum of a, b, c, d, to the bit (the same pairs added in the same order), in
-   ~14 ops instead of ~32: halves added across the four, then quarters, then each
-   quarter's lanes. */
-static inline void hsum4(__m512 a, __m512 b, __m512 c, __m512 d, float* out) {
-  __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
-  __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
-  v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0x4E));
-  v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0xB1));
-  _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                                                     0, 0, 0, 0), v)));
 }
 #else
 #define VEC __m256
@@ -66,141 +48,113 @@ static inline float hsum(__m256 v) {
 #endif
 #define LANES (32 / NV)
 
-/* Several activation rows (a batch of decode rows, a small chunk): output rows n .. n+nr-1
-   for activation rows r0 .. r0+mb-1, each group of 32 weights loaded once per block and
-   multiplied by every row of the block, each activation load serving the block's nr
-   weight rows. A row's sum runs over the same values in the same order whatever the
-   other rows hold. Called with constant nr and mb (rows_times), so that the accumulators
-   stay in registers. */
+/* Float32 weights in panels (f32_panel_mm): y[M, N] = x[M, K] @ W^T with W stored as
+   ceil(N / 32) panels of [K][32] (packed.PackedF32: output rows n..n+31 of W, k-major,
+   the last panel zero-padded). For each k a panel row is one broadcast activation times
+   32 outputs (2 or 4 vectors), so the products are outer products with no horizontal sums:
+   a tile of up to TILE_ROWS activation rows keeps 2 x 12 (AVX-512) or 4 x 3 (AVX2)
+   accumulators in registers and loads each panel row once for all of them. On SmolLM2's
+   matrices at 8-16 rows 1.3-1.7x the dot-product kernel this replaced (f32_mm over
+   [N][K] rows) and oneDNN's GEMM; at one row the same read rate (one sequential stream a
+   thread); past 32 rows level with oneDNN (docs/BENCHMARKS.md 31).
+
+   Each output is one chain of fused multiply-adds over k = 0..K-1, in every path (any
+   row count, any tile, AVX2 or AVX-512): a row's result does not depend on the other rows
+   of the call, or on how many there are, to the bit. */
+#define PANEL 32
+#define PV (PANEL / LANES)  /* vectors a panel row */
 #ifdef __AVX512F__
-#define NSTEP 4  /* output rows per parallel step: a block of 4 x (up to 4) activation rows */
-#define NWIDE 2  /* output rows per block of 5-8 activation rows (32 registers) */
+#define TILE_ROWS 12
 #else
-#define NSTEP 1  /* 16 registers: one output row per block */
-#define NWIDE 1
+#define TILE_ROWS 3
 #endif
-#define MR 8
-static inline __attribute__((always_inline)) void block(int K, const float* x, int r0, int mb, int n, int nr,
-    int N, const float* w, float* y) {
-  int G = K / 32;
-  VEC acc[NSTEP][MR];
-  for (int j = 0; j < nr; j++)
-    for (int i = 0; i < mb; i++) acc[j][i] = VZERO;
-  for (int g = 0; g < G; g++) {
-    VEC wv[NSTEP][NV];
-    for (int j = 0; j < nr; j++) {
-      const float* wg = w + ((int64_t)(n + j) * G + g) * 32;
-      /* the same group NSTEP rows on, both of its lines: the thread's next block (static
-         schedule), fetched while this one computes; the hardware prefetchers lose four
-         short interleaved rows (2-6 KB each): +20-27% read rate at 4-16 rows
-         (docs/BENCHMARKS.md 23). */
-      const char* pf = (const char*)(wg + (int64_t)NSTEP * G * 32);
-      _mm_prefetch(pf, _MM_HINT_T0);
-      _mm_prefetch(pf + 64, _MM_HINT_T0);
-      for (int v = 0; v < NV; v++) wv[j][v] = VLOAD(wg + v * LANES);
-    }
-    for (int i = 0; i < mb; i++) {
-      const float* xb = x + (int64_t)(r0 + i) * K + g * 32;
-      for (int v = 0; v < NV; v++) {
-        VEC xv = VLOAD(xb + v * LANES);
-        for (int j = 0; j < nr; j++) acc[j][i] = VFMA(wv[j][v], xv, acc[j][i]);
-      }
-    }
-  }
-#ifdef __AVX512F__
-  if ((nr * mb) % 4 == 0) {  /* four sums at a time (hsum4): ~3.5 ops a sum instead of ~8 */
-    for (int k = 0; k < nr * mb; k += 4) {
-      float s4[4];
-      hsum4(acc[k / mb][k % mb], acc[(k + 1) / mb][(k + 1) % mb], acc[(k + 2) / mb][(k + 2) % mb],
-            acc[(k + 3) / mb][(k + 3) % mb], s4);
-      for (int e = 0; e < 4; e++) y[(int64_t)(r0 + (k + e) % mb) * N + n + (k + e) / mb] = s4[e];
-    }
-    return;
-  }
+/* Each panel row also prefetched non-temporally PANEL_AHEAD bytes on, by the first tile
+   of a panel only (the one that reads it from memory): a plain stream sweeps the caches
+   of the step's other data and code (as in int4x16.c). */
+#ifndef PANEL_AHEAD
+#define PANEL_AHEAD 256
 #endif
-  for (int j = 0; j < nr; j++)
-    for (int i = 0; i < mb; i++) y[(int64_t)(r0 + i) * N + n + j] = hsum(acc[j][i]);
-}
 
-/* Every activation row times output rows n .. n+NSTEP-1. */
-static inline __attribute__((always_inline)) void rows_times(int n, int M, int N, int K, const float* x,
-    const float* w, float* y) {
-  for (int r0 = 0; r0 < M; r0 += MR) {
-    int mb = M - r0 < MR ? M - r0 : MR;
-    if (N - n < NSTEP) {  /* the last output rows of an N that NSTEP does not divide */
-      for (int j = n; j < N; j++) block(K, x, r0, mb, j, 1, N, w, y);
-      continue;
+static inline __attribute__((always_inline)) void panel_tile(int rows, int K, const float* x, const float* wp,
+    float* y, int N, int valid, int first) {
+  VEC acc[TILE_ROWS][PV];
+  for (int i = 0; i < rows; i++)
+    for (int v = 0; v < PV; v++) acc[i][v] = VZERO;
+  for (int k = 0; k < K; k++) {
+    const float* wk = wp + (int64_t)k * PANEL;
+    if (first)
+      for (int b = 0; b < PANEL * (int)sizeof(float); b += 64) _mm_prefetch((const char*)wk + PANEL_AHEAD + b, _MM_HINT_NTA);
+    VEC w[PV];
+    for (int v = 0; v < PV; v++) w[v] = VLOAD(wk + v * LANES);
+    for (int i = 0; i < rows; i++) {
+      VEC xv = VSET1(x[(int64_t)i * K + k]);
+      for (int v = 0; v < PV; v++) acc[i][v] = VFMA(w[v], xv, acc[i][v]);
     }
-#define TALL(c) case c: block(K, x, r0, c, n, NSTEP, N, w, y); break;
-#define WIDE(c) case c: { for (int j = 0; j < NSTEP; j += NWIDE) block(K, x, r0, c, n + j, NWIDE, N, w, y); } break;
-    switch (mb) { TALL(1) TALL(2) TALL(3) TALL(4) WIDE(5) WIDE(6) WIDE(7) WIDE(8) }
-#undef TALL
-#undef WIDE
+  }
+  for (int i = 0; i < rows; i++) {
+    if (valid == PANEL) {
+      for (int v = 0; v < PV; v++) VSTORE(y + (int64_t)i * N + v * LANES, acc[i][v]);
+    } else {  /* the last panel of an N that 32 does not divide */
+      float out[PANEL];
+      for (int v = 0; v < PV; v++) VSTORE(out + v * LANES, acc[i][v]);
+      for (int j = 0; j < valid; j++) y[(int64_t)i * N + j] = out[j];
+    }
   }
 }
 
-/* Up to STREAM_ROWS activation rows: each weight row read front to back once, into two
-   accumulators per activation row, the rows of a thread's share one stream through
-   memory. The hardware prefetchers follow one stream best (a row is 2-6 KB): the blocks'
-   four interleaved rows read 0.8x as fast at one row (SmolLM2's matrices,
-   docs/BENCHMARKS.md 23), and at 2-6 rows this is 1.03-1.3x faster than them, past that
-   their reuse of each activation load wins (section 26). A row's sum takes the same
-   order here whatever the step's row count (1 .. STREAM_ROWS): a speculative verify of up
-   to 5 drafts rounds as one-token steps do (a longer one within float rounding). */
-#define STREAM_ROWS 6
-/* Each line of the stream is also prefetched non-temporally (PREFETCHNTA) 320 bytes, five
-   lines, before its load. What it changes is the rest of the step: a one-row float32 step
-   reads ~520 MB once, and as plain loads those lines swept the caches, so that attention's
-   code and K/V and the step's Python came back from DRAM at every layer and step (an
-   attention work item took 19 us cold against 3 warm). One-row SmolLM2 step, alternated
-   with the same step without: 9.4-9.6 vs 10.4-10.5 ms (-9%) while the box read fast,
-   -5% while it read slowly; 128-256 bytes ahead gained less, 512 nothing, 1,024 lost
-   (docs/BENCHMARKS.md 29). */
-#ifndef NTA_AHEAD
-#define NTA_AHEAD 320
-#endif
-static inline __attribute__((always_inline)) void stream_row(int K, const float* x, int mb, const float* w,
-    float* y, int N) {
-  VEC a0[STREAM_ROWS], a1[STREAM_ROWS];
-  for (int i = 0; i < mb; i++) a0[i] = a1[i] = VZERO;
-  for (int k = 0; k < K; k += 2 * LANES) {  /* K: a multiple of 32 = 2 vectors at least */
-    for (int b = 0; b < 2 * LANES * (int)sizeof(float); b += 64)
-      _mm_prefetch((const char*)(w + k) + NTA_AHEAD + b, _MM_HINT_NTA);
-    VEC w0 = VLOAD(w + k), w1 = VLOAD(w + k + LANES);
-    for (int i = 0; i < mb; i++) {
-      a0[i] = VFMA(w0, VLOAD(x + (int64_t)i * K + k), a0[i]);
-      a1[i] = VFMA(w1, VLOAD(x + (int64_t)i * K + k + LANES), a1[i]);
-    }
-  }
-  int i = 0;
+/* Rows 0..M-1 of x times one panel, in tiles of TILE_ROWS rows (the first reads the panel
+   from memory, the others from cache). A constant `rows` per call keeps the accumulators
+   in registers. */
+static inline void panel_rows(int M, int K, const float* x, const float* wp, float* y, int N, int valid) {
+  int r = 0;
+  for (; r + TILE_ROWS <= M; r += TILE_ROWS)
+    panel_tile(TILE_ROWS, K, x + (int64_t)r * K, wp, y + (int64_t)r * N, N, valid, r == 0);
+  const float* xr = x + (int64_t)r * K;
+  float* yr = y + (int64_t)r * N;
+  int first = r == 0;
+  switch (M - r) {
+#define TAIL(c) case c: panel_tile(c, K, xr, wp, yr, N, valid, first); break;
+    TAIL(1) TAIL(2)
 #ifdef __AVX512F__
-  for (; i + 4 <= mb; i += 4) {  /* (hsum4, as the blocks) */
-    float s4[4];
-    hsum4(VADD(a0[i], a1[i]), VADD(a0[i + 1], a1[i + 1]), VADD(a0[i + 2], a1[i + 2]), VADD(a0[i + 3], a1[i + 3]), s4);
-    for (int e = 0; e < 4; e++) y[(int64_t)(i + e) * N] = s4[e];
-  }
+    TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7) TAIL(8) TAIL(9) TAIL(10) TAIL(11)
 #endif
-  for (; i < mb; i++) y[(int64_t)i * N] = hsum(VADD(a0[i], a1[i]));
+#undef TAIL
+  }
 }
+
+/* Rows of activations per work item past 16 rows, and per pass over all the panels: the
+   pass's activations (192 x K floats) stay in L2 while every panel streams through once. */
+#define PANEL_ITEM_ROWS 48
+#define PANEL_PASS_ROWS 192
 
 /* The product shared by the threads of the enclosing parallel region, each calling it
    (orphaned worksharing: outside a region the caller computes it alone); the region's
-   threads meet at its end. fused_decode.c's step runs in one region for all its layers. */
-static inline void f32_mm_team(int M, int N, int K, const float* x, const float* w, float* y) {
-  if (M <= STREAM_ROWS) {
+   threads meet at its end. Up to 16 rows (a decode step: its time is the weights' read)
+   each panel is one thread's, read once; past that, work items of a panel times up to
+   PANEL_ITEM_ROWS rows. fused_decode.c's step runs in one region for all its layers. */
+static inline void f32_panel_mm_team(int M, int N, int K, const float* x, const float* wp, float* y) {
+  int NP = (N + PANEL - 1) / PANEL;
+  const int64_t stride = (int64_t)K * PANEL;
+  if (M <= 16) {
     #pragma omp for schedule(static)
-    for (int n = 0; n < N; n++) {
-#define ROWS(c) case c: stream_row(K, x, c, w + (int64_t)n * K, y + n, N); break;
-      switch (M) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) }
-#undef ROWS
-    }
+    for (int p = 0; p < NP; p++)
+      panel_rows(M, K, x, wp + p * stride, y + p * PANEL, N, N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
     return;
   }
-  #pragma omp for schedule(static)
-  for (int n = 0; n < N; n += NSTEP) rows_times(n, M, N, K, x, w, y);
+  for (int r0 = 0; r0 < M; r0 += PANEL_PASS_ROWS) {
+    int rows = M - r0 < PANEL_PASS_ROWS ? M - r0 : PANEL_PASS_ROWS;
+    int items = (rows + PANEL_ITEM_ROWS - 1) / PANEL_ITEM_ROWS;
+    #pragma omp for schedule(static) collapse(2)
+    for (int p = 0; p < NP; p++)
+      for (int it = 0; it < items; it++) {
+        int r = r0 + it * PANEL_ITEM_ROWS, m = r0 + rows - r < PANEL_ITEM_ROWS ? r0 + rows - r : PANEL_ITEM_ROWS;
+        panel_rows(m, K, x + (int64_t)r * K, wp + p * stride, y + (int64_t)r * N + p * PANEL, N,
+                   N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
+      }
+  }
 }
 
-void f32_mm(int M, int N, int K, const float* x, const float* w, float* y) {
+void f32_panel_mm(int M, int N, int K, const float* x, const float* wp, float* y) {
   #pragma omp parallel
-  f32_mm_team(M, N, K, x, w, y);
+  f32_panel_mm_team(M, N, K, x, wp, y);
 }

@@ -258,7 +258,7 @@ int64_t int4x16_scratch(int M, int K) { return 2 * (int64_t)M * K + 4 * (int64_t
 
 /* y[M][N] = x[M][K] W^T for W in blocks (N rows, ceil(N / 16) blocks): int4 (m) or int8
    (int8 set: m unused). scratch: int4x16_scratch bytes. Shared by the threads of the
-   enclosing parallel region, as f32_mm_team. */
+   enclosing parallel region, as f32_panel_mm_team. */
 static inline __attribute__((always_inline)) void x16_mm_team(int int8, int M, int N, int K, const float* x,
     const uint8_t* q, const uint16_t* d, const uint16_t* m, void* scratch, float* y) {
   const int G = K / 32, NB = (N + X16 - 1) / X16, gbytes = int8 ? 2 * X16_BYTES : X16_BYTES;

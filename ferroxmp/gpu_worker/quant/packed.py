@@ -1,12 +1,12 @@
-"""PackedF16: a float16 weight packed for FBGEMM's fp16 GEMM, called like F.linear.
+"""PackedF16 and PackedF32: float weights in a CPU kernel's layout, called like F.linear.
 
-Job: hold the packed weight and run `quantized::linear_dynamic_fp16`; `pack` decides
-which form a loaded weight takes, and `linear(x, w, b)` is the one dispatch DecoderLM
-uses (a float tensor goes to F.linear, anything else is called: PackedF16, Groups);
-`cpu_f32_linear` is that dispatch with float32 CPU products routed by row count
-(groups.c's f32_mm for 1-16 rows, `gemm`, oneDNN, for more).
+Job: PackedF16 holds a float16 weight packed for FBGEMM's fp16 GEMM
+(`quantized::linear_dynamic_fp16`); PackedF32 a float32 weight in groups.c's panels.
+`pack` decides which form a loaded weight takes, and `linear(x, w, b)` is the one
+dispatch DecoderLM uses (a float tensor goes to F.linear, anything else is called:
+PackedF16, PackedF32, Groups).
 
-Invariants: `nbytes` counts the float16 values (FBGEMM's packed copy holds the same
+Invariants: `nbytes` counts the values as held (FBGEMM's packed copy holds the float16
 bytes in its own layout); CPU only (policy.resolve_mode refuses fp16 elsewhere).
 """
 from __future__ import annotations
@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from ferroxmp.gpu_worker.quant.native import library, ptr
+
+PANEL = 32  # output rows a panel of a PackedF32 (groups.c's PANEL)
 
 
 class PackedF16:
@@ -43,12 +45,62 @@ class PackedF16:
         return y.to(x.dtype)
 
 
-def pack(w, model_dtype: torch.dtype):
+class PackedF32:
+    """A float32 weight [N, K] as groups.c's panels: ceil(N / 32) blocks of [K][32] (output
+    rows n..n+31, k-major, the last block zero-padded), multiplied by f32_panel_mm at any
+    row count: at 8-16 rows 1.3-1.7x the kernels it replaced (a dot-product kernel over
+    [N][K] rows, 1-16 rows, and oneDNN's GEMM past that), at one row the same read rate,
+    past 32 rows level with oneDNN (docs/BENCHMARKS.md 31). A row's result does not depend
+    on the call's other rows, to the bit. A tied embedding looks its rows up here.
+
+    Invariants: the panels are the weight's values, bitwise; `nbytes` counts them (the
+    padding included: under 32 rows of K)."""
+    format = "float32"
+
+    def __init__(self, w: torch.Tensor):
+        if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
+            raise ValueError("PackedF32 holds a 2-D float32 CPU weight")
+        n, k = w.shape
+        blocks = -(-n // PANEL)
+        padded = torch.zeros(blocks * PANEL, k) if n % PANEL else w
+        if n % PANEL:
+            padded[:n] = w
+        self.panels = padded.view(blocks, PANEL, k).transpose(1, 2).contiguous()
+        self.out_features, self.in_features = n, k
+        self.nbytes = self.panels.numel() * 4
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        y = torch.empty(x2.shape[0], self.out_features)
+        library().f32_panel_mm(x2.shape[0], self.out_features, self.in_features, ptr(x2), ptr(self.panels), ptr(y))
+        if bias is not None:
+            y += bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the weight (an embedding's lookup): down one lane of their panels."""
+        ids = ids.long()
+        return self.panels[ids // PANEL, :, ids % PANEL].to(dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [N, K] as a plain tensor (a copy)."""
+        return self.panels.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features].clone()
+
+
+def pack(w, model_dtype: torch.dtype, f32_panels: bool = False):
     """A weight in the form its kernel wants: a float16 tensor in a model that computes in
     another dtype (--quantization fp16) -> PackedF16; Groups -> Groups.packed() (int4:
-    Int4x16, its kernel's layout); a float tensor as it is."""
+    Int4x16, its kernel's layout); a float32 CPU tensor -> PackedF32 where `f32_panels`
+    (the runner's choice: the native kernels load, not --deterministic); a float tensor
+    otherwise as it is."""
     if isinstance(w, torch.Tensor) and w.dtype == torch.float16 and model_dtype != torch.float16:
         return PackedF16(w)
+    if f32_panels and isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == "cpu":
+        return PackedF32(w)
     return w if isinstance(w, torch.Tensor) else w.packed()
 
 
@@ -57,52 +109,3 @@ def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -> torch.Ten
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
     return w(x, bias)
-
-
-# Activation rows for which float32 weights go through groups.c's f32_mm instead of
-# torch's GEMM: a batch of decode rows. MKL's small-M path reads the LM head at half the
-# rate f32_mm does at 4-8 rows, and MKL's one-row path at 0.4x of f32_mm's own
-# (docs/BENCHMARKS.md 22-23); from ~24 rows on the GEMM wins.
-SMALL_ROWS = (1, 16)
-
-
-def f32_mm(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x2 [m, k] @ w[n, k]^T through groups.c's f32_mm (both float32, contiguous, CPU;
-    k a multiple of 32)."""
-    y = torch.empty(x2.shape[0], w.shape[0])
-    library().f32_mm(x2.shape[0], w.shape[0], w.shape[1], ptr(x2), ptr(w), ptr(y))
-    return y
-
-
-# torch's oneDNN matmul over a plain (not prepacked) float32 weight: on the AMD EPYC of
-# docs/BENCHMARKS.md 23, 1.2-1.7x MKL's sgemm (F.linear's) at 32-512 rows, a prefill
-# chunk's products; the same product within float rounding. False where this torch was
-# built without oneDNN (then MKL's).
-ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def gemm(x2: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x2 [m, k] @ w[n, k]^T (+ bias), float32 on CPU, many rows: oneDNN where torch has
-    it (and torch.backends.mkldnn is not turned off), else F.linear."""
-    if ONEDNN and torch.backends.mkldnn.enabled:
-        return torch.ops.mkldnn._linear_pointwise(x2, w, bias, "none", [], "")
-    return F.linear(x2, w, bias)
-
-
-def cpu_f32_linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`linear`, with a float32 CPU weight through f32_mm for 1-16 rows and through `gemm`
-    for more. The runner installs it as model.linear where the native kernels load (never
-    --deterministic: a row's sum order here depends on how many rows the step has)."""
-    if isinstance(w, torch.Tensor) and w.dtype == torch.float32 and x.dtype == torch.float32 \
-            and w.is_contiguous() and w.device.type == "cpu":
-        n, k = w.shape
-        m = x.numel() // k
-        if SMALL_ROWS[0] <= m <= SMALL_ROWS[1] and k % 32 == 0:
-            y = f32_mm(x.reshape(m, k).contiguous(), w)
-            if bias is not None:
-                y += bias
-            return y.reshape(*x.shape[:-1], n)
-        if m > SMALL_ROWS[1] and (bias is None or bias.dtype == torch.float32):
-            y = gemm(x.reshape(m, k).contiguous(), w, None if bias is None else bias.contiguous())
-            return y.reshape(*x.shape[:-1], n)
-    return linear(x, w, bias)

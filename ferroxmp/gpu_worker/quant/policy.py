@@ -149,7 +149,7 @@ def tensor_bytes(tensors: Iterable) -> dict[str, int]:
             continue
         if isinstance(t, torch.Tensor):
             out[str(t.dtype).removeprefix("torch.")] += t.numel() * t.element_size()
-        else:  # Groups, PackedF16
+        else:  # Groups, PackedF16, PackedF32
             out[t.format] += t.nbytes
     return dict(out)
 
