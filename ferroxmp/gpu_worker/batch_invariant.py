@@ -1,7 +1,9 @@
 """Batch-invariant linear layers for `--deterministic`, and what was measured to need them.
 
 Job: `invariant_linear(x, w, b)` gives each row of x the same output bits whatever the
-other rows are and however many there are; `check_linear(w)` verifies that on this
+other rows are and however many there are (`deterministic_linear`, the model's matmul
+in this mode: that for plain tensors, a float32 weight in panels as it is, already
+row-invariant: quant/groups.c); `check_linear(w)` verifies that on this
 torch build and these shapes (the worker runs it at startup in deterministic mode and
 refuses to start if it fails, rather than serve a mode that does not hold).
 
@@ -39,6 +41,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ferroxmp.gpu_worker.quant.packed import PackedF32
+
 ROW_TILE = 16  # rows per gemm call: a multiple of every sgemm row micro-tile seen (4, 8, 16)
 
 
@@ -53,15 +57,23 @@ def invariant_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]
     return torch.cat([F.linear(blk, w, b) for blk in x.split(ROW_TILE)])[:m]
 
 
-def check_linear(w: torch.Tensor, b: Optional[torch.Tensor] = None, sizes=(1, 2, 3, 5, 8, 13, 21, 40)) -> None:
+def deterministic_linear(x: torch.Tensor, w, b: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`invariant_linear` for a plain tensor; a PackedF32 as it is: groups.c's panels sum
+    each output in one chain over k at any row count, row-invariant by construction (and
+    a one-row step then reads the weight once instead of multiplying 16 rows)."""
+    return w(x, b) if isinstance(w, PackedF32) else invariant_linear(x, w, b)
+
+
+def check_linear(w, b: Optional[torch.Tensor] = None, sizes=(1, 2, 3, 5, 8, 13, 21, 40)) -> None:
     """Raise RuntimeError unless every row of a random batch gets the same bits from
-    `invariant_linear` alone, at every batch size in `sizes` and at a shifted offset."""
+    `deterministic_linear` alone, at every batch size in `sizes` and at a shifted offset."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(max(sizes) + 3, w.shape[1], generator=gen).to(w.dtype).to(w.device)
-    alone = torch.cat([invariant_linear(x[i:i + 1], w, b) for i in range(x.shape[0])])
+    dtype, device = (torch.float32, torch.device("cpu")) if isinstance(w, PackedF32) else (w.dtype, w.device)
+    x = torch.randn(max(sizes) + 3, w.shape[1], generator=gen).to(dtype).to(device)
+    alone = torch.cat([deterministic_linear(x[i:i + 1], w, b) for i in range(x.shape[0])])
     for m in sizes:
         for off in (0, 3):
-            if not torch.equal(invariant_linear(x[off:off + m], w, b), alone[off:off + m]):
+            if not torch.equal(deterministic_linear(x[off:off + m], w, b), alone[off:off + m]):
                 raise RuntimeError(f"--deterministic: a {tuple(w.shape)} {w.dtype} matmul on {w.device} gives a "
                                    f"row different bits in a batch of {m}; this build's gemm is not "
                                    f"row-invariant with {ROW_TILE}-row tiles")
@@ -75,8 +87,8 @@ def make_deterministic(model) -> None:
         mats += [(L.w_qkv, L.b_qkv), (L.w_o, L.b_o), (L.w_gate_up, None), (L.w_down, None)]
     seen = set()
     for w, b in mats:
-        key = (tuple(w.shape), w.dtype, b is None)
+        key = (tuple(w.shape), type(w), getattr(w, "dtype", None), b is None)
         if key not in seen:
             seen.add(key)
             check_linear(w, b)
-    model.linear = invariant_linear
+    model.linear = deterministic_linear

@@ -86,14 +86,14 @@ class ModelRunner:
         # --quantization: 'none', 'fp16', 'int8' or 'int4' for this checkpoint and device (quant/policy.py)
         self.quantization = resolve_mode(quantization, model_path, self.device, deterministic)
         self.tp = tp  # --tp > 1: a tp_step.Leader, which tells the other ranks each step
-        # float32 on CPU where the native kernels load: the native RMSNorm/RoPE/SiLU-mul, and
-        # (one rank, not --deterministic, whose matmuls need plain tensors) every weight in
-        # groups.c's panels (PackedF32: any row count, quant/packed.py)
+        # float32 on CPU where the native kernels load: the native RMSNorm/RoPE/SiLU-mul (not
+        # --deterministic) and, on one rank, every weight in groups.c's panels (PackedF32: any
+        # row count, each row's bits independent of the others', quant/packed.py)
         native_f32 = fused_decode and self.device.type == "cpu" and self.config.dtype == torch.float32 \
             and native_available() is None
         if tp is None:
             weights = load_weights(model_path, self.device, self.config.dtype, quantization=self.quantization)
-            self.model = build_model(self.config, weights, self.device, f32_panels=native_f32 and not deterministic)
+            self.model = build_model(self.config, weights, self.device, f32_panels=native_f32)
             shape = self.config
         else:  # this rank's shard (parallel/group.py): its heads, its slice of the MLP and vocabulary
             self.model, shape = tp.build_model(model_path, self.config, self.device, self.quantization)
