@@ -75,8 +75,8 @@ def check_linear(w, b: Optional[torch.Tensor] = None, sizes=(1, 2, 3, 5, 8, 13, 
         for off in (0, 3):
             if not torch.equal(deterministic_linear(x[off:off + m], w, b), alone[off:off + m]):
                 raise RuntimeError(f"--deterministic: a {tuple(w.shape)} {w.dtype} matmul on {w.device} gives a "
-                                   f"row different bits in a batch of {m}; this build's gemm is not "
-                                   f"row-invariant with {ROW_TILE}-row tiles")
+                                   f"row different bits in a batch of {m}; this build's matmul is not "
+                                   f"row-invariant (plain weights: in {ROW_TILE}-row tiles)")
 
 
 def make_deterministic(model) -> None:

@@ -129,9 +129,7 @@ class DecoderLM:
         # fp16 the head is packed for FBGEMM (a tied head: a second, packed copy of the
         # float16 values) and the embedding stays a float16 tensor.
         self.lm_head = pack(self.embed if cfg.tie_word_embeddings else weights.pop("lm_head.weight", self.embed))
-        if not isinstance(self.embed, torch.Tensor):
-            self.embed = self.lm_head if cfg.tie_word_embeddings else pack(self.embed)
-        elif isinstance(self.lm_head, PackedF32):
+        if not isinstance(self.embed, torch.Tensor) or isinstance(self.lm_head, PackedF32):
             self.embed = self.lm_head if cfg.tie_word_embeddings else pack(self.embed)
         # One float32 table for every position, indexed per step (same bits as computing
         # position * inv_freq on the fly, as transformers does).

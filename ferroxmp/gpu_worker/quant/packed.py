@@ -65,7 +65,7 @@ class PackedF32:
         padded = torch.zeros(blocks * PANEL, k) if n % PANEL else w
         if n % PANEL:
             padded[:n] = w
-        self.panels = padded.view(blocks, PANEL, k).transpose(1, 2).contiguous()
+        self.panels = padded.reshape(blocks, PANEL, k).transpose(1, 2).contiguous()
         self.out_features, self.in_features = n, k
         self.nbytes = self.panels.numel() * 4
 
@@ -95,8 +95,8 @@ def pack(w, model_dtype: torch.dtype, f32_panels: bool = False):
     """A weight in the form its kernel wants: a float16 tensor in a model that computes in
     another dtype (--quantization fp16) -> PackedF16; Groups -> Groups.packed() (int4:
     Int4x16, its kernel's layout); a float32 CPU tensor -> PackedF32 where `f32_panels`
-    (the runner's choice: the native kernels load, not --deterministic); a float tensor
-    otherwise as it is."""
+    (the runner's choice: where the native kernels load); a float tensor otherwise as it
+    is."""
     if isinstance(w, torch.Tensor) and w.dtype == torch.float16 and model_dtype != torch.float16:
         return PackedF16(w)
     if f32_panels and isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == "cpu":
