@@ -134,3 +134,24 @@ def test_a_process_silent_past_the_stall_timeout_is_dumped_and_the_server_stops(
         assert srv.leftovers() == [], log
     finally:
         srv.stop()
+
+
+def test_the_frontends_stack_dump_reaches_its_bridge_thread_past_512_http_threads(tiny_models):
+    """A stalled frontend is diagnosed from its stack dump (SIGUSR1, as the supervisor
+    sends it), which lists the newest threads first and stops at 100: with the default
+    512 HTTP threads, the bridge's receive loop (bridge.py's _run) must still be in it."""
+    srv = ServerProcess(tiny_models["llama"], *FLAGS)
+    try:
+        os.kill(srv.pids["frontend"], signal.SIGUSR1)
+        deadline = time.time() + 20
+        while time.time() < deadline and "Thread 0x" not in srv.log():
+            time.sleep(0.2)
+        time.sleep(1.0)  # the rest of the dump
+        srv.log()  # (flushes)
+        with open(srv.log_path) as f:
+            log = f.read()
+        assert "Thread 0x" in log, log[-3000:]
+        assert re.search(r'File ".*frontend/bridge\.py", line \d+ in _run', log), log[-6000:]
+        assert srv.proc.poll() is None  # a dump does not stop the frontend
+    finally:
+        srv.stop()

@@ -132,7 +132,6 @@ def run_frontend(args: dict, run_dir: str, worker_info: dict, pids: dict) -> int
     codec = TextCodec(args["model"], gguf_in_child=True)  # before any thread: it forks
     metrics = Metrics(int(worker_info.get("num_pages") or 0))
     bridge = Bridge(run_dir, on_stats=metrics.update_stats, liveness=Heartbeat(run_dir, "frontend"))
-    bridge.start()
     state = FrontendState(args=args, worker_info=worker_info, pids=pids, codec=codec, bridge=bridge,
                           metrics=metrics)
     threads = int(args.get("http_threads") or 64)
@@ -142,6 +141,10 @@ def run_frontend(args: dict, run_dir: str, worker_info: dict, pids: dict) -> int
         channel_request_lookahead=1,  # keeps reading while a request runs, so a disconnect is seen
         asyncore_use_poll=True, ident="ferroxmp", clear_untrusted_proxy_headers=True)
     _accept_in_bursts(server)
+    # Started after waitress's --http-threads workers: a stack dump (liveness.py's SIGUSR1,
+    # when the supervisor finds this process silent) lists the newest threads first and
+    # stops at 100, so the bridge's receive loop, the usual suspect, must be among the newest.
+    bridge.start()
     port = int(server.effective_port)
     threading.Thread(target=server.run, name="http", daemon=True).start()
     log.info("frontend serving %s on http://%s:%d (%d threads, up to %d connections)", state.model_name,
