@@ -150,7 +150,7 @@ static inline __attribute__((always_inline)) void x16_block(int int8, int G, int
   for (int g = 0; g < G; g++) {
     const uint8_t* qg = qb + (int64_t)g * gbytes;
     /* Every line of the group PREFETCH bytes ahead, non-temporally: a plain stream swept
-       the step's other data and code out of the caches (groups.c's stream_row). One-row
+       the step's other data and code out of the caches (as groups.c's panels). One-row
        int4 SmolLM2 step alternated with two lines a group as T0: 4.7 vs 5.1-5.3 ms (-8%,
        768-2,048 bytes ahead alike; docs/BENCHMARKS.md 29). */
     for (int b = 0; b < gbytes; b += 64) _mm_prefetch((const char*)qg + PREFETCH + b, _MM_HINT_NTA);
