@@ -180,7 +180,7 @@ class DecoderLM:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [T] in the plan's internal order -> final hidden states [T, hidden]."""
         if (at := self._fused_target(input_ids.shape[0], attn)) is not None:
-            return self.fused_decode(self.embed_ids(input_ids), positions, *at)
+            return self.fused_decode(input_ids, positions, *at)
         cfg = self.cfg
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_w, kv_w = nh * hd, nkv * hd

@@ -136,13 +136,13 @@ class FusedDecode:
             return None, why
         return cls(model, kv, library()), None
 
-    def __call__(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_at: torch.Tensor,
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_at: torch.Tensor,
                  pages: torch.Tensor) -> torch.Tensor:
-        """h [R, hidden] float32 (the rows' embeddings, overwritten) -> their final hidden
-        states. positions, slots: int64 [R] on CPU, each row's position and pool slot;
-        pages[page_at[r]:page_at[r + 1]]: row r's pages (int64), first to last."""
-        h = h.contiguous()
-        self._run(h.shape[0], h, None, positions, slots, page_at, pages, None, None)
+        """The step from token ids (int64 [R]) -> their final hidden states [R, hidden] (a
+        tensor of their own). positions, slots: int64 [R] on CPU, each row's position and
+        pool slot; pages[page_at[r]:page_at[r + 1]]: row r's pages (int64), first to last."""
+        h = torch.empty(ids.shape[0], self.cfg.hidden_size) if self.embeds else self.model.embed_ids(ids).contiguous()
+        self._run(ids.shape[0], h, ids if self.embeds else None, positions, slots, page_at, pages, None, None)
         return h
 
     def with_head(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_at: torch.Tensor,
@@ -159,7 +159,7 @@ class FusedDecode:
             self._out[FUSED_ROWS] = whole
             self._out[rows] = tuple(t[:rows] for t in whole)
         h, logits, top = self._out[rows]
-        if not self.embeds:
+        if not self.embeds:  # (as __call__)
             h.copy_(self.model.embed_ids(ids))
         self._run(rows, h, ids if self.embeds else None, positions, slots, page_at, pages, logits, top)
         return h, logits, top
