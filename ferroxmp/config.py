@@ -67,14 +67,14 @@ class ServerArgs:
                                  "drafted by copying what followed the latest earlier occurrence of its last "
                                  "tokens (prompt or output) and verified in one step by its own sampler; the "
                                  "output is the same as without it (greedy or seeded sampling). Pays off when outputs copy their input (rewrites, code edits, "
-                                 "RAG). One batch in flight (as --disable-overlap).")
+                                 "RAG). No batch is planned behind one whose rows may take drafts.")
     draft_model: Optional[str] = _f(None, "Speculative decoding by a draft model: a small model of the same "
                                     "tokenizer (Hugging Face folder or .gguf, loaded as --model is) drafts each "
                                     "request's next tokens, greedily, and the target verifies them in one step by "
                                     "the request's own sampler; the output is the same as without it (greedy or "
                                     "seeded sampling). The draft's KV takes pages beside the target's. The target's "
-                                    "own checkpoint with --draft-quantization int4 is self-speculation. One batch in "
-                                    "flight (as --disable-overlap).")
+                                    "own checkpoint with --draft-quantization int4 is self-speculation. No batch is "
+                                    "planned behind one whose rows may take drafts.")
     draft_quantization: str = _f("auto", "--quantization for the --draft-model's weights (the same modes, the "
                                  "same auto rule).", ["auto", "none", "fp16", "int8", "int4"])
     num_speculative_tokens: int = _f(15, "Most tokens drafted per row and step with --speculative-ngram or "
@@ -83,6 +83,13 @@ class ServerArgs:
                                      "On CPU a step verifies at most 16 tokens (its decode rows "
                                      "and their drafts, shared evenly): past that each token costs what a "
                                      "decoded one does, so a step of 9 or more decode rows drafts nothing.")
+    decode_steps: int = _f(1, "Most decode steps a batch runs in one call when every row of it chooses its "
+                           "tokens greedily (temperature 0, no logprobs, grammar, bias or penalties) and no request "
+                           "waits: on CPU the fused step feeds each row its argmax and goes on, without the "
+                           "worker's Python or a scheduler turn between the steps (the same tokens; they stream "
+                           "a few at a time). A row stops at its stop token or max_tokens; steps past a stop "
+                           "string are dropped. No batch is planned behind one that takes several steps. Not "
+                           "with speculation.")
     disable_cuda_graph: bool = _f(False, "On CUDA, run decode steps eagerly instead of replaying CUDA graphs "
                                   "captured per padded batch size (CPU never uses graphs).")
     disable_fused_decode: bool = _f(False, "On CPU, run decode steps as torch ops only: a step of 1-16 decoding "
@@ -195,6 +202,10 @@ class ServerArgs:
             self._validate_draft(bad)
         if (self.speculative_ngram or self.draft_model) and not 1 <= self.num_speculative_tokens <= 16:
             bad("num_speculative_tokens", "must be between 1 and 16")
+        if not 1 <= self.decode_steps <= 16:
+            bad("decode_steps", "must be between 1 and 16")
+        if self.decode_steps > 1 and (self.speculative_ngram or self.draft_model):
+            bad("decode_steps", "give --decode-steps or speculation (--speculative-ngram, --draft-model), not both")
         if self.speculative_ngram and self.tp > 1:
             bad("speculative_ngram", "is not implemented with --tp > 1 yet")
         if self.deterministic and self.tp > 1:  # the follower ranks (parallel/step.py) build the default kernels
@@ -220,8 +231,9 @@ class ServerArgs:
 
     @property
     def spec_tokens(self) -> int:
-        """Most draft tokens per row and step, whichever drafter is on; 0 = no speculation."""
-        return self.num_speculative_tokens if self.speculative_ngram or self.draft_model else 0
+        """Most tokens past its first a decode row may take in a step, for which the scheduler
+        holds pages: drafts, whichever drafter is on, or --decode-steps' further steps; 0 = one."""
+        return self.num_speculative_tokens if self.speculative_ngram or self.draft_model else self.decode_steps - 1
 
     @property
     def model_name(self) -> str:

@@ -26,17 +26,20 @@ class LocalEngine:
                  max_rows: int = 8, overlap: bool = False, radix: bool = True, max_model_len: int = 1024,
                  swa_release_interval: int = 32, kv_host_bytes: int = 0, kv_dir: Optional[str] = None,
                  deterministic: bool = False, spec_tokens: int = 0, draft_model: Optional[str] = None,
-                 draft_quantization: str = "auto"):
+                 draft_quantization: str = "auto", decode_steps: int = 1):
         self.pool = PagePool.create(num_pages, max_rows, -(-max_model_len // page_size))
         # draft_model (--draft-model) drafts instead of prompt lookup when spec_tokens > 0
-        self.runner = ModelRunner(model, self.pool, page_size, keep_logits=True, deterministic=deterministic,
-                                  draft_model=draft_model, draft_quantization=draft_quantization)
+        # (--decode-steps: a step's further tokens have no logits kept; sample_logits stays empty)
+        self.runner = ModelRunner(model, self.pool, page_size, keep_logits=decode_steps == 1,
+                                  deterministic=deterministic, draft_model=draft_model,
+                                  draft_quantization=draft_quantization, decode_steps=decode_steps)
         cfg = self.runner.config
         self.core = SchedulerCore(self.pool, SchedulerConfig(
             page_size=page_size, max_batch_tokens=max_batch_tokens, max_model_len=max_model_len,
             vocab_size=cfg.vocab_size, eos_token_ids=tuple(cfg.eos_token_ids), radix=radix,
             sliding_window=cfg.sliding_window, swa_release_interval=swa_release_interval,
-            kv_host=kv_host_bytes > 0, kv_disk=kv_dir is not None, spec_tokens=spec_tokens))
+            kv_host=kv_host_bytes > 0, kv_disk=kv_dir is not None, spec_tokens=spec_tokens or decode_steps - 1,
+            decode_steps=decode_steps > 1))
         # The worker's KV tiers in this process: their threads report into `tier_msgs`,
         # which `build` hands to the core as the scheduler process would.
         self.tiers, self.tier_msgs = None, []
@@ -110,7 +113,7 @@ class LocalEngine:
     def step(self) -> bool:
         """Build (up to the in-flight limit) and run one batch. False when nothing ran."""
         limit = 2 if self.overlap else 1
-        while len(self.queue) < limit and self.build() is not None:
+        while len(self.queue) < limit and not self.core.lookahead_inflight and self.build() is not None:
             pass
         if not self.queue:
             return False
@@ -122,7 +125,7 @@ class LocalEngine:
         sampled = [s for s in batch.steps if s.sample]
         by_row = {s.row: i for i, s in enumerate(sampled)}
         for req, step in self.core.inflight.get(batch.batch_id, []):
-            if step.sample and result.error is None and step.row not in result.row_errors:
+            if step.sample and result.error is None and step.row not in result.row_errors and self.runner.keep_logits:
                 self.sample_logits.setdefault(req.rid, []).append(
                     self.runner.last_logits[by_row[step.row]].clone())
         self.core.process_result(result, time.time())
@@ -229,7 +232,7 @@ class StubEngine:
             self.outs.setdefault(out.rid, []).append(out)
 
     def step(self, overlap: bool = True) -> bool:
-        while len(self.queue) < (2 if overlap else 1) and self.build() is not None:
+        while len(self.queue) < (2 if overlap else 1) and not self.core.lookahead_inflight and self.build() is not None:
             pass
         if not self.queue:
             return False

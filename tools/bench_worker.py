@@ -123,7 +123,7 @@ class RunnerBench:
 
     def __init__(self, path: str, rows: int, max_len: int, page_size: int, consecutive: bool,
                  attention: str, decode_path: str = "auto", quantization: str = "auto",
-                 fused_decode: bool = True, kv_cache_dtype: str = "auto"):
+                 fused_decode: bool = True, kv_cache_dtype: str = "auto", decode_steps: int = 1):
         from ferroxmp.gpu_worker.runner import ModelRunner
         per_row = -(-max_len // page_size)
         self.pool = PagePool.create(num_pages=per_row * rows, max_rows=rows, max_pages_per_row=per_row)
@@ -133,6 +133,8 @@ class RunnerBench:
             kw["fused_decode"] = False
         if kv_cache_dtype != "auto":
             kw["kv_cache_dtype"] = kv_cache_dtype
+        if decode_steps > 1:
+            kw["decode_steps"] = decode_steps
         self.runner = ModelRunner(path, self.pool, page_size, device="cpu", **kw)
         if decode_path == "gather" and getattr(self.runner.attn, "mirror", None) is not None:
             self.runner.attn.mirror = None  # the fallback: gather each row's pages every layer
@@ -141,9 +143,9 @@ class RunnerBench:
             self.pool.set_row(r, pages, 0)
         self.bid = 0
 
-    def run(self, new_rows, steps):
+    def run(self, new_rows, steps, spec=None):
         self.bid += 1
-        res = self.runner.execute(ForwardBatch(self.bid, new_rows, steps))
+        res = self.runner.execute(ForwardBatch(self.bid, new_rows, steps, spec or {}))
         assert res.error is None, res.error
         return res
 
@@ -157,11 +159,13 @@ class RunnerBench:
 
 def bench(path: str, batches: list[int], contexts: list[int], prefills: list[int], steps: int,
           page_size: int, consecutive: bool, attention: str, decode_path: str = "auto",
-          quantization: str = "auto", fused_decode: bool = True, kv_cache_dtype: str = "auto") -> dict:
+          quantization: str = "auto", fused_decode: bool = True, kv_cache_dtype: str = "auto",
+          decode_steps: int = 1) -> dict:
     max_b = max(batches)
-    max_len = max(contexts + prefills) + 3 * steps + 8  # the b1 rows step again beside the read floor
+    # the b1 rows step again beside the read floor (and, with decode_steps, n steps a call)
+    max_len = max(contexts + prefills) + 3 * steps * (1 + decode_steps) + 8
     rb = RunnerBench(path, max_b, max_len, page_size, consecutive, attention, decode_path, quantization,
-                     fused_decode, kv_cache_dtype)
+                     fused_decode, kv_cache_dtype, decode_steps)
     try:
         model, vocab = rb.runner.model, rb.runner.config.vocab_size
         g = torch.Generator().manual_seed(0)
@@ -205,6 +209,18 @@ def bench(path: str, batches: list[int], contexts: list[int], prefills: list[int
                         print(f"decode b1   ctx {ctx:>5}: runner {1000 * t_run:8.1f} ms, read floor "
                               f"{1000 * t_read:8.1f} ms ({nbytes / 2**20:.0f} MiB at {nbytes / t_read / 1e9:.1f} "
                               f"GB/s), runner/read floor {t_run / t_read:.3f}", flush=True)
+                    if b == 1 and decode_steps > 1:  # --decode-steps: n steps a call, per token
+                        def runner_steps():
+                            last = len(rb.runner.rows[0].tokens) - 1
+                            rb.run([], [RowStep(0, last, 1, True)], {0: decode_steps - 1})
+                        t_run, t_read, nbytes = _read_floor(rb.runner, ctx, runner_steps, steps)
+                        t_run /= decode_steps
+                        out[f"decode_b1_ctx{ctx}"].update(steps_runner_ms=1000 * t_run,
+                                                          steps_read_floor_ms=1000 * t_read,
+                                                          steps_runner_vs_read=t_run / t_read)
+                        print(f"decode b1   ctx {ctx:>5}, {decode_steps} steps a call: runner {1000 * t_run:8.1f} ms "
+                              f"a token, read floor {1000 * t_read:8.1f} ms ({nbytes / t_read / 1e9:.1f} GB/s), "
+                              f"runner/read floor {t_run / t_read:.3f}", flush=True)
         return out
     finally:
         rb.close()
@@ -261,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disable-fused-decode", action="store_true",
                    help="the runner's --disable-fused-decode (a single int4/int8 row's step eager)")
     p.add_argument("--kv-cache-dtype", default="auto", help="the runner's --kv-cache-dtype")
+    p.add_argument("--decode-steps", type=int, default=1,
+                   help="also time one row's --decode-steps N: N steps a call, per token, beside the read floor")
     p.add_argument("--transformers", action="store_true", help="also time transformers' forward at --contexts[0]")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
@@ -276,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             path = build_model(a.shape, os.path.join(tmp, a.shape))
         results = {"runner_vs_floor": bench(path, batches, contexts, prefills, a.steps, a.page_size,
                                             a.consecutive, a.attention, a.decode_path, a.quantization,
-                                            not a.disable_fused_decode, a.kv_cache_dtype)}
+                                            not a.disable_fused_decode, a.kv_cache_dtype, a.decode_steps)}
         if a.transformers:
             results["transformers"] = bench_transformers(path, contexts[0], batches, a.steps)
     cpu = os.times()

@@ -36,6 +36,8 @@ _COUNTERS = (
     ("generation_tokens", "generation_tokens", "Tokens generated."),
     ("cached_prompt_tokens", "cached_prompt_tokens", "Prompt tokens served from the prefix cache."),
     ("worker_busy_seconds", "worker_busy_seconds", "Seconds the worker spent computing batches."),
+    ("batches", "steps", "Batches sent to the worker: a step of the running rows each (several steps each "
+     "under --decode-steps, a verify under speculation)."),
     ("grammar_cache_hits", "grammar_cache_hits", "Constrained requests whose grammar was compiled already."),
     ("grammar_cache_misses", "grammar_cache_misses", "Constrained requests whose grammar was compiled for them."),
     ("spec_draft_tokens", "spec_draft_tokens", "Draft tokens verified (--speculative-ngram, --draft-model)."),

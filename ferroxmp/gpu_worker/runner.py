@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -79,7 +80,7 @@ class ModelRunner:
                  dtype: str = "auto", attention: str = "auto", tp=None, deterministic: bool = False,
                  cuda_graph: bool = True, keep_logits: bool = False, quantization: str = "auto",
                  draft_model: Optional[str] = None, draft_quantization: str = "auto",
-                 fused_decode: bool = True, kv_cache_dtype: str = "auto"):
+                 fused_decode: bool = True, kv_cache_dtype: str = "auto", decode_steps: int = 1):
         self.device = resolve_device(device)
         self.config: ModelConfig = load_config(model_path, dtype, kv_cache_dtype)
         check_cache_dtype(self.config, self.device, deterministic)
@@ -115,6 +116,7 @@ class ModelRunner:
         # scheduler's for padding rows; never on CPU, under --tp or --deterministic.
         self._graphs_allowed = self.device.type == "cuda" and tp is None and not deterministic
         self._fused_decode = fused_decode  # False: --disable-fused-decode (quant/fused_decode.py)
+        self.decode_steps = decode_steps  # --decode-steps: most greedy steps a decode batch runs in one call
         self.rows: dict[int, RowState] = {}
         self.failed: dict[int, str] = {}  # row -> why; its steps are skipped until a NewRow restarts it
         self.attach_pool(pool, cuda_graph)
@@ -336,15 +338,19 @@ class ModelRunner:
                 stepped = sorted({s.row for s in batch.steps})
                 table = self._table
                 table[stepped] = self.pool.page_table[stepped]
-            # The draft model runs on every step (its KV keeps up with the target's).
-            drafts = self._drafts(batch, staged, table) if batch.spec or self.drafter else {}
+            # The draft model runs on every step (its KV keeps up with the target's). With
+            # --decode-steps, batch.spec is the further steps' budget, not a draft's.
+            drafts = self._drafts(batch, staged, table) if (batch.spec and self.decode_steps == 1) or self.drafter \
+                else {}
             triples = [(s.row, s.start, s.length + len(drafts.get(s.row, ()))) for s in batch.steps]
             plan = self.attn.plan(triples, table)
+            steps = self._decode_steps(batch, staged, plan, table) if batch.spec and self.decode_steps > 1 else None
         except (BatchError, PlanError, ProtocolError) as e:
             log.warning("batch %d refused: %s", batch.batch_id, e)
             return BatchResult(batch_id=batch.batch_id, error=str(e))
         try:
-            result = self._run(batch, staged, plan, t0, drafts)
+            result = self._run_steps(batch, staged, plan, t0, *steps) if steps else \
+                self._run(batch, staged, plan, t0, drafts)
         except Exception as e:  # a bug or OOM must not kill the worker: only this batch's rows fail
             if self.tp is not None:
                 raise  # ...unless other ranks may be inside a collective this one left: fatal
@@ -377,6 +383,54 @@ class ModelRunner:
             return self.drafter.propose(batch.steps, tokens, budget, table)
         drafts = {r: propose((staged.get(r) or self.rows[r]).tokens.array, k) for r, k in budget.items()}
         return {r: d for r, d in drafts.items() if d}
+
+    def _decode_steps(self, batch: ForwardBatch, staged: dict[int, RowState], plan,
+                      table: np.ndarray) -> Optional[tuple[int, torch.Tensor, torch.Tensor]]:
+        """--decode-steps: (n, page_at, pages) where this step and n - 1 more run in one
+        native call (FusedDecode.steps), else None (one step, as without the flag). Only a
+        step of decode rows that all choose by argmax, with nothing that edits their logits
+        or asks for them (SamplingParams.may_draft), where the fused step computes its head;
+        n - 1 is the least further positions the scheduler held pages for (batch.spec), and
+        pages[page_at[r]:page_at[r + 1]] are row r's up to its last step's position."""
+        f = self.model.fused_decode
+        if (f is None or not (f.has_head and f.embeds) or not plan.decode_only or len(plan.rows) > f.max_rows
+                or self.keep_logits or self.faults is not None or self.graphs is not None):
+            return None
+        n = self.decode_steps
+        for s in batch.steps:
+            params = (staged.get(s.row) or self.rows[s.row]).params
+            if not (s.sample and params.greedy and params.may_draft):
+                return None
+            n = min(n, 1 + batch.spec.get(s.row, 0))
+        starts = plan.starts.tolist()  # (decode only: step order)
+        n = min(n, self.config.max_position_embeddings - max(starts))
+        if n < 2:
+            return None
+        count = [(start + n - 1) // self.page_size + 1 for start in starts]
+        if max(count) > table.shape[1]:
+            return None
+        pages = np.concatenate([table[r, :c] for r, c in zip(plan.rows.tolist(), count)]).astype(np.int64)
+        if pages.min() < 0 or pages.max() >= self.pool.num_pages:
+            raise PlanError(f"a row's pages for {n} steps are not all pages of this pool")
+        return n, torch.tensor([0, *accumulate(count)], dtype=torch.int64), torch.from_numpy(pages)
+
+    def _run_steps(self, batch: ForwardBatch, staged: dict[int, RowState], plan, t0: float, n: int,
+                   page_at: torch.Tensor, pages: torch.Tensor) -> BatchResult:
+        """--decode-steps: n greedy steps of this batch's decode rows in one call. Each row's
+        first token goes back as its sampled one, the n - 1 after it as accepted tokens
+        (spec_tokens; none was drafted): the scheduler takes them up to a stop or max_tokens."""
+        state = {**self.rows, **staged}
+        rows = plan.rows.tolist()
+        ids = torch.tensor([state[s.row].tokens[s.start] for s in batch.steps], dtype=torch.int64)
+        top = self.model.fused_decode.steps(ids, torch.from_numpy(plan.starts), page_at, pages, n)
+        self._logits = None
+        self.rows.update(staged)
+        chosen = top.numpy()
+        for j, r in enumerate(rows):
+            self.rows[r].tokens.extend(chosen[:, j])
+        return BatchResult(batch_id=batch.batch_id, rows=pack_ids(rows), tokens=pack_ids(chosen[0]),
+                           spec_tokens={r: pack_ids(chosen[1:, j]) for j, r in enumerate(rows)},
+                           compute_s=time.perf_counter() - t0)
 
     def _run(self, batch: ForwardBatch, staged: dict[int, RowState], plan, t0: float,
              drafts: dict[int, list[int]]) -> BatchResult:

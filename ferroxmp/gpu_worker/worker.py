@@ -182,7 +182,8 @@ def _pool_and_runner(sa: ServerArgs, cfg, shape, model_path: str, pool_name: str
     runner_args = dict(device=sa.device, dtype=sa.dtype, tp=leader, deterministic=sa.deterministic,
                        cuda_graph=not sa.disable_cuda_graph, quantization=sa.quantization,
                        draft_model=sa.draft_model, draft_quantization=sa.draft_quantization,
-                       fused_decode=not sa.disable_fused_decode, kv_cache_dtype=sa.kv_cache_dtype)
+                       fused_decode=not sa.disable_fused_decode, kv_cache_dtype=sa.kv_cache_dtype,
+                       decode_steps=sa.decode_steps)
     table = dict(max_rows=sa.max_running_requests, max_pages_per_row=max_pages_per_row)
     by_memory = device.type == "cuda" and sa.kv_pages is None  # else the size is given (pages or GiB)
     if by_memory and leader is None:

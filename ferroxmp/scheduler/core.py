@@ -207,7 +207,7 @@ class SchedulerCore:
             self.cache.set_lengths([s.row for _, s in chunks], [s.start + s.length for _, s in chunks])
         spec = self._draft_budget(plan.decode, starts) if self.cfg.spec_tokens and rows else {}
         batch = ForwardBatch(self.next_batch_id, new_rows, steps, spec)
-        self.inflight[batch.batch_id] = InFlight(plan.decode, rows, starts, chunks)
+        self.inflight[batch.batch_id] = InFlight(plan.decode, rows, starts, chunks, bool(spec))
         self.next_batch_id += 1
         self.totals.steps += 1
         if self.cfg.sliding_window and self.totals.steps % self.cfg.swa_release_interval == 0:
@@ -215,9 +215,17 @@ class SchedulerCore:
                 self.cache.release_window(req, self.cfg.sliding_window)
         return batch
 
+    @property
+    def lookahead_inflight(self) -> bool:
+        """A batch in flight lets some row take more than one token (a draft budget or
+        --decode-steps): how far it moves is known only from the result, so no batch may be
+        planned behind it (its rows' starts would be wrong)."""
+        return any(b.lookahead for b in self.inflight.values())
+
     def _draft_budget(self, decode: list[Request], starts: list[int]) -> dict[int, int]:
-        """Speculation (--speculative-ngram or --draft-model: one rule for both): how many
-        draft tokens each decode row may have verified this step (row -> k), with pages
+        """Speculation (--speculative-ngram or --draft-model: one rule for both) and
+        --decode-steps: how many draft tokens each decode row may have verified this step, or
+        further steps it may take in the same call (row -> k), with pages
         held for them. Only rows whose draw depends on nothing but the logits, seed and
         position (no grammar, bias, min_tokens, penalties; no logprobs); never past
         max_tokens; and drafting takes only free pages: it never evicts a cached prefix
@@ -226,12 +234,14 @@ class SchedulerCore:
         rows share what the cap leaves above one token each: of a cap of 16, 1 row drafts up
         to 15, 4 rows 3 each, 8 rows 1, 9 or more none."""
         out, ps, cap = {}, self.cfg.page_size, self.cfg.spec_step_tokens
+        if self.cfg.decode_steps and self.waiting:  # a step of n would hold its first chunk back n steps
+            return out
         share = self.cfg.spec_tokens if cap is None else min(self.cfg.spec_tokens, (cap - len(decode)) // len(decode))
         if share <= 0:
             return out
         for req, start in zip(decode, starts):
             p = req.params
-            if not p.may_draft:
+            if not p.may_draft or (self.cfg.decode_steps and not p.greedy):  # (further steps: argmax only)
                 continue
             k = min(share, p.max_tokens - req.n_output - 1)
             have = len(req.cache.pages) * ps

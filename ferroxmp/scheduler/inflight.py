@@ -21,6 +21,7 @@ class InFlight:
     rows: list[int]  # their row slots
     starts: list[int]  # the position each computes
     chunks: list[tuple[Request, RowStep]] = field(default_factory=list)  # the prefill chunks
+    lookahead: bool = False  # some row may take more than one token (drafts, --decode-steps)
 
     def __iter__(self) -> Iterator[tuple[Request, RowStep]]:
         """(request, step) in step order; a decode row's step is rebuilt (it is

@@ -183,8 +183,8 @@ class Request:
     def accept_drafts(self, start: int, extra: np.ndarray) -> int:
         """The draft tokens the worker accepted after the row's sampled one (decode step at
         `start`): appended in order up to a stop or max_tokens, and the row moved past them:
-        their positions' KV is computed. Safe only because no batch is planned behind a
-        speculative one (scheduler.py: one batch in flight). Returns tokens appended."""
+        their positions' KV is computed. Safe only because no batch is planned behind one
+        that gave its rows a budget (core.lookahead_inflight). Returns tokens appended."""
         n = 0
         for token in extra:
             if self.state is State.FINISHED:

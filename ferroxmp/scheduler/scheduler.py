@@ -36,9 +36,9 @@ def run_scheduler(args: dict, run_dir: str, pool_name: str, worker_info: dict) -
     heart = Heartbeat(run_dir, "scheduler")  # stamped every loop turn (at least every HEARTBEAT_S)
     pool = PagePool.attach(pool_name, writer=True)
     core = SchedulerCore(pool, SchedulerConfig.from_launch(args, worker_info))
-    # A speculative step's row advances by as many tokens as were accepted, known only
-    # from its result: the next step cannot be planned before it (no overlap).
-    max_inflight = 1 if args["disable_overlap"] or core.cfg.spec_tokens else 2
+    # Two batches in flight: the next is planned while one computes, except behind a batch
+    # whose rows may take several tokens (core.lookahead_inflight).
+    max_inflight = 1 if args["disable_overlap"] else 2
     ctx = zmq.Context()
     ep = endpoints(run_dir)
     from_frontend, from_worker = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
@@ -76,7 +76,7 @@ def run_scheduler(args: dict, run_dir: str, pool_name: str, worker_info: dict) -
             for prep in core.grammars.take_prepares():  # compiled off the worker's batch loop
                 to_worker.send(encode(prep))
             core.expire(now)
-            while len(core.inflight) < max_inflight:
+            while len(core.inflight) < max_inflight and not core.lookahead_inflight:
                 batch = core.build_batch(now)
                 # KV saves first: they copy out pages this batch may reuse (tier_moves.py)
                 for op in core.take_kv_ops():

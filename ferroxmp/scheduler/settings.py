@@ -28,7 +28,8 @@ class SchedulerConfig:
     max_grammar_compile_seconds: float = 5.0  # a grammar still pending after this is a 400
     kv_host: bool = False  # a host-memory tier below the pool (--kv-host-gb)
     kv_disk: bool = False  # a disk tier (--kv-cache-dir)
-    spec_tokens: int = 0  # --speculative-ngram or --draft-model: most draft tokens per row and step (0: off)
+    spec_tokens: int = 0  # speculation's most draft tokens, or --decode-steps - 1, per row and step (0: off)
+    decode_steps: bool = False  # spec_tokens are --decode-steps' further steps, not drafts
     spec_step_tokens: Optional[int] = None  # the worker's: most tokens a step verifies (rows + drafts); None: no cap
 
     @classmethod
@@ -43,6 +44,7 @@ class SchedulerConfig:
                    max_grammar_compile_seconds=args.get("max_grammar_compile_seconds", 5.0),
                    kv_host=bool(args.get("kv_host_gb")), kv_disk=bool(args.get("kv_cache_dir")),
                    spec_tokens=ServerArgs.from_dict(args).spec_tokens,
+                   decode_steps=args.get("decode_steps", 1) > 1,
                    spec_step_tokens=worker_info.get("spec_step_tokens"))
 
     def refusal(self, p: SamplingParams, n: int, num_pages: int) -> Optional[str]:

@@ -792,3 +792,30 @@ void fused_decode(const Model* M, int R, float* h, const int64_t* ids, const flo
   att_plan_free(&A);
 }
 
+
+/* `n` greedy decode steps of R rows in one call (--decode-steps): step i feeds each row the
+   token step i - 1 chose (its argmax), at the next position, into the slot its pages hold
+   for it; ids and pos are step 0's; pages[page_at[r] ..] must hold row r's positions up to
+   pos[r] + n - 1 (the scheduler holds them). top [n][R]: each step's argmax; logits: the
+   last step's. Each step is fused_decode's call as one decode step would make it, so the
+   tokens are those of n steps; what the loop saves is the runner's Python and the
+   worker's round trip between them (~0.8 ms of a ~11 ms one-row float32 step, its code cold
+   after the weights' stream: docs/BENCHMARKS.md 31), and the scheduler's and frontend's
+   turns, which share the two cores with the step. Scratch: fused_decode_scratch for
+   span max(pos) + n. */
+void fused_decode_steps(const Model* M, int R, int n, float* h, const int64_t* ids, const float* cos,
+                        const float* sin, const int64_t* pos, const int64_t* page_at, const int64_t* pages,
+                        float* scratch, float* logits, int64_t* top) {
+  int64_t* p = malloc(sizeof(int64_t) * 2 * (size_t)R);
+  int64_t* slot = p + R;
+  const int ps = M->page_size;
+  for (int i = 0; i < n; i++) {
+    for (int r = 0; r < R; r++) {
+      p[r] = pos[r] + i;
+      slot[r] = pages[page_at[r] + p[r] / ps] * ps + p[r] % ps;
+    }
+    fused_decode(M, R, h, i ? top + (int64_t)(i - 1) * R : ids, cos, sin, p, slot, page_at, pages, scratch,
+                 logits, top + (int64_t)i * R);
+  }
+  free(p);
+}

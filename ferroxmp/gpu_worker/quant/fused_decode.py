@@ -78,6 +78,7 @@ class FusedDecode:
     def __init__(self, model, kv, lib):
         cfg = self.cfg = model.cfg
         self.model, self.kv, self.fn, self.scratch_floats = model, kv, lib.fused_decode, lib.fused_decode_scratch
+        self.steps_fn = lib.fused_decode_steps
         self._keep: list = []  # float32 copies the struct points at
         layers = (_Layer * cfg.num_layers)(*[_Layer(
             _float32(L.in_norm, self._keep), _float32(L.post_norm, self._keep),
@@ -152,26 +153,48 @@ class FusedDecode:
         int64: the first of equal logits, the first NaN if any). The three are views of
         buffers the next call overwrites."""
         rows = ids.shape[0]
+        h, logits, top = self.with_head_buffers(rows)
+        if not self.embeds:  # (as __call__)
+            h.copy_(self.model.embed_ids(ids))
+        self._run(rows, h, ids if self.embeds else None, positions, slots, page_at, pages, logits, top)
+        return h, logits, top
+
+    def steps(self, ids: torch.Tensor, positions: torch.Tensor, page_at: torch.Tensor, pages: torch.Tensor,
+              n: int) -> torch.Tensor:
+        """`n` greedy decode steps in one call (--decode-steps; needs has_head and embeds):
+        ids, positions: int64 [R], step 0's; pages[page_at[r]:page_at[r + 1]]: row r's pages
+        up to the one holding position positions[r] + n - 1. -> each step's argmax [n, R]
+        int64, the tokens the rows chose (step i's input is step i - 1's choice)."""
+        assert self.has_head and self.embeds
+        rows = ids.shape[0]
+        h, logits, _ = self.with_head_buffers(rows)
+        top = torch.empty(n, rows, dtype=torch.int64)
+        pos = positions.to(torch.int64).contiguous()
+        self._fit_scratch(rows, int(pos.max()) + n)
+        self.steps_fn(ctypes.byref(self.m), c_int(rows), c_int(n), ptr(h), ptr(ids), ptr(self.model.cos_table),
+                      ptr(self.model.sin_table), ptr(pos), ptr(page_at), ptr(pages), ptr(self._scratch), ptr(logits),
+                      ptr(top))
+        return top
+
+    def with_head_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if rows not in self._out:
             whole = self._out.get(FUSED_ROWS) or (torch.empty(FUSED_ROWS, self.cfg.hidden_size),
                                                   torch.empty(FUSED_ROWS, self.vocab),
                                                   torch.empty(FUSED_ROWS, dtype=torch.int64))
             self._out[FUSED_ROWS] = whole
             self._out[rows] = tuple(t[:rows] for t in whole)
-        h, logits, top = self._out[rows]
-        if not self.embeds:  # (as __call__)
-            h.copy_(self.model.embed_ids(ids))
-        self._run(rows, h, ids if self.embeds else None, positions, slots, page_at, pages, logits, top)
-        return h, logits, top
+        return self._out[rows]
+
+    def _fit_scratch(self, rows: int, span: int) -> None:
+        if rows > self._cap[0] or span > self._cap[1]:  # grown with room, not sized every step
+            self._cap = (max(rows, self._cap[0]), max(span + span // 4, 256))
+            self._scratch = torch.empty(self.scratch_floats(ctypes.byref(self.m), c_int(self._cap[0]),
+                                                            c_int64(self._cap[1])))
 
     def _run(self, rows: int, h, ids, positions, slots, page_at, pages, logits, top) -> None:
         m = self.m
         pos = positions.to(torch.int64).contiguous()  # the backend's slot and page tensors are int64 already
-        span = int(pos.max()) + 1
-        if rows > self._cap[0] or span > self._cap[1]:  # grown with room, not sized every step
-            self._cap = (max(rows, self._cap[0]), max(span + span // 4, 256))
-            self._scratch = torch.empty(self.scratch_floats(ctypes.byref(m), c_int(self._cap[0]),
-                                                            c_int64(self._cap[1])))
+        self._fit_scratch(rows, int(pos.max()) + 1)
         self.fn(ctypes.byref(m), c_int(rows), ptr(h), None if ids is None else ptr(ids), ptr(self.model.cos_table),
                 ptr(self.model.sin_table), ptr(pos), ptr(slots), ptr(page_at), ptr(pages), ptr(self._scratch),
                 None if logits is None else ptr(logits), None if top is None else ptr(top))

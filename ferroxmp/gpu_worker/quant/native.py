@@ -87,8 +87,8 @@ def library() -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     lib = ctypes.CDLL(path)
-    for name in ("int4x16_mm", "int8x16_mm", "int4x16_rows", "f32_panel_mm",
-                 "fused_decode", "decode_attention", "rows_rms", "rows_rope", "rows_silu_mul", "rows_argmax"):
+    for name in ("int4x16_mm", "int8x16_mm", "int4x16_rows", "f32_panel_mm", "fused_decode", "fused_decode_steps",
+                 "decode_attention", "rows_rms", "rows_rope", "rows_silu_mul", "rows_argmax"):
         getattr(lib, name).restype = None
     lib.fused_decode_scratch.restype = lib.int4x16_scratch.restype = ctypes.c_int64
     return lib
