@@ -15,6 +15,9 @@ from typing import Any, Optional
 
 
 DEMO_MODEL = "demo"  # --model demo: the random-weight demo checkpoint
+# --decode-steps' default: on SmolLM2 int4 a served single stream 1.13-1.19x less time a
+# token at 4 and at 8 (docs/BENCHMARKS.md 32); a request arriving meanwhile waits <= 4 steps.
+DECODE_STEPS = 4
 
 
 def _f(default: Any, help: str, choices: Optional[list] = None, **kw) -> Any:
@@ -83,13 +86,14 @@ class ServerArgs:
                                      "On CPU a step verifies at most 16 tokens (its decode rows "
                                      "and their drafts, shared evenly): past that each token costs what a "
                                      "decoded one does, so a step of 9 or more decode rows drafts nothing.")
-    decode_steps: int = _f(1, "Most decode steps a batch runs in one call when every row of it chooses its "
+    decode_steps: Optional[int] = _f(None, "Most decode steps a batch runs in one call (default 4; 1 under "
+                                     "speculation) when every row of it chooses its "
                            "tokens greedily (temperature 0, no logprobs, grammar, bias or penalties) and no request "
                            "waits: on CPU the fused step feeds each row its argmax and goes on, without the "
                            "worker's Python or a scheduler turn between the steps (the same tokens; they stream "
                            "a few at a time). A row stops at its stop token or max_tokens; steps past a stop "
-                           "string are dropped. No batch is planned behind one that takes several steps. Not "
-                           "with speculation.")
+                           "string are dropped. No batch is planned behind one that takes several steps. 1: one "
+                           "step a batch. Not with speculation.")
     disable_cuda_graph: bool = _f(False, "On CUDA, run decode steps eagerly instead of replaying CUDA graphs "
                                   "captured per padded batch size (CPU never uses graphs).")
     disable_fused_decode: bool = _f(False, "On CPU, run decode steps as torch ops only: a step of 1-16 decoding "
@@ -137,6 +141,10 @@ class ServerArgs:
                            "a Hugging Face folder; none "
                            "= float weights (a GGUF dequantized). Refused on CUDA and with --deterministic.",
                            ["auto", "none", "fp16", "int8", "int4"])
+
+    def __post_init__(self) -> None:
+        if self.decode_steps is None:  # one lookahead per server: drafts, or further steps
+            self.decode_steps = 1 if self.speculative_ngram or self.draft_model else DECODE_STEPS
 
     def validate(self) -> None:
         """Raise ValueError('--flag: why') for the first bad value."""

@@ -146,9 +146,12 @@ def test_no_batch_is_planned_behind_one_whose_rows_may_take_several_tokens(rows)
     eng.close()
 
 
-def test_decode_steps_is_a_flag_off_by_default_and_not_with_speculation():
-    assert ServerArgs().decode_steps == 1 and ServerArgs().spec_tokens == 0
-    assert ServerArgs(decode_steps=4).spec_tokens == 3
+def test_decode_steps_is_a_flag_of_4_by_default_1_under_speculation_and_not_beside_it(tiny_model):
+    assert ServerArgs().decode_steps == 4 and ServerArgs().spec_tokens == 3
+    assert ServerArgs(decode_steps=1).spec_tokens == 0 and ServerArgs(decode_steps=8).spec_tokens == 7
+    assert ServerArgs(speculative_ngram=True).decode_steps == 1
+    assert ServerArgs(draft_model=tiny_model).decode_steps == 1
+    assert ServerArgs.from_dict(ServerArgs(decode_steps=1).to_dict()).decode_steps == 1
     with pytest.raises(ValueError, match="--decode-steps"):
         ServerArgs(decode_steps=4, speculative_ngram=True).validate()
     with pytest.raises(ValueError, match="--decode-steps"):
@@ -176,8 +179,8 @@ def test_a_server_with_decode_steps_answers_as_one_without_in_fewer_batches(tiny
             time.sleep(1.1)  # counters ride the scheduler's heartbeat
             return texts, metric(srv.url, "ferroxmp_batches_total", srv.headers)
 
-    want, plain_batches = serve()
-    got, batches = serve("--decode-steps", "4")
+    want, plain_batches = serve("--decode-steps", "1")
+    got, batches = serve()  # (4 by default)
     assert got == want
     assert want[3][1] == "stop" and want[4] == want[0][:len(want[4])] and len(want[4]) > 10
     assert batches < 0.6 * plain_batches, (batches, plain_batches)

@@ -183,7 +183,7 @@ def test_a_draft_path_that_is_no_checkpoint_is_refused(tmp_path):
 
 
 def test_spec_tokens_is_on_for_either_drafter(tiny_model):
-    assert ServerArgs().spec_tokens == 0
+    assert ServerArgs(decode_steps=1).spec_tokens == 0
     assert ServerArgs(speculative_ngram=True, num_speculative_tokens=3).spec_tokens == 3
     assert ServerArgs(draft_model=tiny_model, num_speculative_tokens=5).spec_tokens == 5
 

@@ -34,6 +34,7 @@ class SchedulerConfig:
 
     @classmethod
     def from_launch(cls, args: dict, worker_info: dict) -> "SchedulerConfig":
+        server = ServerArgs.from_dict(args)
         return cls(page_size=worker_info["page_size"], max_batch_tokens=args["max_batch_tokens"],
                    max_model_len=worker_info["max_model_len"], vocab_size=worker_info["vocab_size"],
                    eos_token_ids=tuple(worker_info.get("eos_token_ids") or ()),
@@ -43,8 +44,7 @@ class SchedulerConfig:
                    max_step_seconds=args.get("max_step_seconds", 0.0),
                    max_grammar_compile_seconds=args.get("max_grammar_compile_seconds", 5.0),
                    kv_host=bool(args.get("kv_host_gb")), kv_disk=bool(args.get("kv_cache_dir")),
-                   spec_tokens=ServerArgs.from_dict(args).spec_tokens,
-                   decode_steps=args.get("decode_steps", 1) > 1,
+                   spec_tokens=server.spec_tokens, decode_steps=server.decode_steps > 1,
                    spec_step_tokens=worker_info.get("spec_step_tokens"))
 
     def refusal(self, p: SamplingParams, n: int, num_pages: int) -> Optional[str]:
