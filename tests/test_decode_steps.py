@@ -146,6 +146,36 @@ def test_no_batch_is_planned_behind_one_whose_rows_may_take_several_tokens(rows)
     eng.close()
 
 
+@pytest.mark.parametrize("other", ["sampled", "logprobs", "chunk"])
+def test_a_batch_with_a_row_that_cannot_take_further_steps_gets_no_budget(other):
+    """Under --decode-steps the worker runs further steps only when every row takes them:
+    a sampled row, a row asking for logprobs, or a prefill chunk beside greedy decode rows
+    means no budget for any row (no pages held for nothing), and the overlap stays."""
+    import msgspec
+    from engine import StubEngine
+    eng = StubEngine(num_pages=512, max_rows=16, max_batch_tokens=4, spec_tokens=3, spec_step_tokens=16)
+    eng.core.cfg.decode_steps = True
+    rids = [eng.submit([1, 2, 3, 10 + i], 40) for i in range(2)]
+    if other != "chunk":
+        req = eng.request(rids[1])
+        req.params = msgspec.structs.replace(req.params, **(
+            {"temperature": 0.7} if other == "sampled" else {"logprobs": 2}))
+    while any(eng.request(r).state.name != "DECODING" for r in rids):
+        assert eng.step()
+    while eng.queue:
+        eng.report(eng.answer(eng.queue[0]))
+    assert eng.build().spec == ({} if other != "chunk" else {eng.request(r).cache.row: 3 for r in rids})
+    if other == "chunk":  # a prompt arrives: its chunks ride with the decode rows (after it waited)
+        eng.report(eng.answer(eng.queue[0]))
+        eng.submit(list(range(50, 70)), 4)
+        assert eng.build().spec == {}  # it waited: no budget
+        eng.report(eng.answer(eng.queue[0]))
+        batch = eng.build()
+        assert any(s.length > 1 for s in batch.steps) and batch.spec == {}, batch
+    assert not eng.core.lookahead_inflight
+    eng.close()
+
+
 def test_decode_steps_is_a_flag_of_4_by_default_1_under_speculation_and_not_beside_it(tiny_model):
     assert ServerArgs().decode_steps == 4 and ServerArgs().spec_tokens == 3
     assert ServerArgs(decode_steps=1).spec_tokens == 0 and ServerArgs(decode_steps=8).spec_tokens == 7

@@ -205,7 +205,7 @@ class SchedulerCore:
             steps.append(step)
         if chunks:
             self.cache.set_lengths([s.row for _, s in chunks], [s.start + s.length for _, s in chunks])
-        spec = self._draft_budget(plan.decode, starts) if self.cfg.spec_tokens and rows else {}
+        spec = self._draft_budget(plan.decode, starts, bool(chunks)) if self.cfg.spec_tokens and rows else {}
         batch = ForwardBatch(self.next_batch_id, new_rows, steps, spec)
         self.inflight[batch.batch_id] = InFlight(plan.decode, rows, starts, chunks, bool(spec))
         self.next_batch_id += 1
@@ -222,7 +222,7 @@ class SchedulerCore:
         planned behind it (its rows' starts would be wrong)."""
         return any(b.lookahead for b in self.inflight.values())
 
-    def _draft_budget(self, decode: list[Request], starts: list[int]) -> dict[int, int]:
+    def _draft_budget(self, decode: list[Request], starts: list[int], chunks: bool) -> dict[int, int]:
         """Speculation (--speculative-ngram or --draft-model: one rule for both) and
         --decode-steps: how many draft tokens each decode row may have verified this step, or
         further steps it may take in the same call (row -> k), with pages
@@ -232,16 +232,22 @@ class SchedulerCore:
         or retracts a row. Where the worker caps a step's verified tokens (CPU: a step of
         more tokens is compute-bound, each draft costing what a decoded token does), the
         rows share what the cap leaves above one token each: of a cap of 16, 1 row drafts up
-        to 15, 4 rows 3 each, 8 rows 1, 9 or more none."""
+        to 15, 4 rows 3 each, 8 rows 1, 9 or more none. Further steps (--decode-steps) run
+        only in a batch of decode rows that all choose by argmax, as many as its least row
+        may take (the worker's rule, runner._decode_steps), and not while a request waits
+        (its first chunk would wait those steps): any other batch gets no budget, and so
+        keeps the overlap."""
         out, ps, cap = {}, self.cfg.page_size, self.cfg.spec_step_tokens
-        if self.cfg.decode_steps and self.waiting:  # a step of n would hold its first chunk back n steps
-            return out
         share = self.cfg.spec_tokens if cap is None else min(self.cfg.spec_tokens, (cap - len(decode)) // len(decode))
+        if self.cfg.decode_steps:
+            if chunks or self.waiting or not all(r.params.greedy and r.params.may_draft for r in decode):
+                return out
+            share = min(share, min(r.params.max_tokens - r.n_output - 1 for r in decode))
         if share <= 0:
             return out
         for req, start in zip(decode, starts):
             p = req.params
-            if not p.may_draft or (self.cfg.decode_steps and not p.greedy):  # (further steps: argmax only)
+            if not p.may_draft:
                 continue
             k = min(share, p.max_tokens - req.n_output - 1)
             have = len(req.cache.pages) * ps
