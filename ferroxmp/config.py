@@ -87,13 +87,15 @@ class ServerArgs:
                                      "and their drafts, shared evenly): past that each token costs what a "
                                      "decoded one does, so a step of 9 or more decode rows drafts nothing.")
     decode_steps: Optional[int] = _f(None, "Most decode steps a batch runs in one call (default 4; 1 under "
-                                     "speculation) when every row of it chooses its "
-                           "tokens greedily (temperature 0, no logprobs, grammar, bias or penalties) and no request "
-                           "waits: on CPU the fused step feeds each row its argmax and goes on, without the "
-                           "worker's Python or a scheduler turn between the steps (the same tokens; they stream "
-                           "a few at a time). A row stops at its stop token or max_tokens; steps past a stop "
-                           "string are dropped. No batch is planned behind one that takes several steps. 1: one "
-                           "step a batch. Not with speculation.")
+                                     "speculation) when every row of it chooses its tokens greedily "
+                                     "(temperature 0, no logprobs, grammar, bias or penalties) and no request "
+                                     "waits: on CPU the fused step feeds each row its argmax and goes on, without "
+                                     "the worker's Python or a scheduler turn between the steps (the same tokens; "
+                                     "they stream a few at a time). A row stops at its stop token or max_tokens; "
+                                     "steps past a stop string are dropped. No batch is planned behind one that "
+                                     "takes several steps. Where the fused step does not run (CUDA, --tp, "
+                                     "--deterministic, --disable-fused-decode, other weights) every batch is one "
+                                     "step. 1: one step a batch. Not with speculation.")
     disable_cuda_graph: bool = _f(False, "On CUDA, run decode steps eagerly instead of replaying CUDA graphs "
                                   "captured per padded batch size (CPU never uses graphs).")
     disable_fused_decode: bool = _f(False, "On CPU, run decode steps as torch ops only: a step of 1-16 decoding "

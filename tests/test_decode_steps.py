@@ -176,6 +176,23 @@ def test_a_batch_with_a_row_that_cannot_take_further_steps_gets_no_budget(other)
     eng.close()
 
 
+def test_where_the_fused_step_cannot_run_them_the_scheduler_gives_no_budget(tiny_models, make_harness):
+    """--decode-steps 4 on a worker without the fused step (here --disable-fused-decode; CUDA,
+    --tp and --deterministic alike): the runner says 1, and the scheduler then holds no
+    pages for further steps and keeps its overlap; where it runs, the worker says 4."""
+    from ferroxmp.scheduler.settings import SchedulerConfig
+    eager = make_harness(tiny_models["llama"], page_size=4, max_rows=2, decode_steps=4, fused_decode=False)
+    fused = make_harness(tiny_models["llama"], page_size=4, max_rows=2, decode_steps=4)
+    assert (eager.runner.decode_steps, fused.runner.decode_steps) == (1, 4)
+    args = ServerArgs(decode_steps=4).to_dict()
+    info = {"page_size": 4, "max_model_len": 512, "vocab_size": 1000}
+    off = SchedulerConfig.from_launch(args, {**info, "decode_steps": eager.runner.decode_steps})
+    on = SchedulerConfig.from_launch(args, {**info, "decode_steps": fused.runner.decode_steps})
+    assert (off.spec_tokens, off.decode_steps, on.spec_tokens, on.decode_steps) == (0, False, 3, True)
+    spec = SchedulerConfig.from_launch(ServerArgs(speculative_ngram=True).to_dict(), {**info, "decode_steps": 4})
+    assert (spec.spec_tokens, spec.decode_steps) == (15, False)
+
+
 def test_decode_steps_is_a_flag_of_4_by_default_1_under_speculation_and_not_beside_it(tiny_model):
     assert ServerArgs().decode_steps == 4 and ServerArgs().spec_tokens == 3
     assert ServerArgs(decode_steps=1).spec_tokens == 0 and ServerArgs(decode_steps=8).spec_tokens == 7

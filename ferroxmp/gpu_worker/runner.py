@@ -116,7 +116,7 @@ class ModelRunner:
         # scheduler's for padding rows; never on CPU, under --tp or --deterministic.
         self._graphs_allowed = self.device.type == "cuda" and tp is None and not deterministic
         self._fused_decode = fused_decode  # False: --disable-fused-decode (quant/fused_decode.py)
-        self.decode_steps = decode_steps  # --decode-steps: most greedy steps a decode batch runs in one call
+        self._decode_steps = decode_steps  # --decode-steps (the `decode_steps` property: where they can run)
         self.rows: dict[int, RowState] = {}
         self.failed: dict[int, str] = {}  # row -> why; its steps are skipped until a NewRow restarts it
         self.attach_pool(pool, cuda_graph)
@@ -167,6 +167,14 @@ class ModelRunner:
         compute is what a step costs and a draft pays only when accepted. None on CUDA
         (not measured there)."""
         return FUSED_ROWS if self.device.type == "cpu" else None
+
+    @property
+    def decode_steps(self) -> int:
+        """Most greedy decode steps a batch runs in one call: --decode-steps where the fused
+        step computes its head and looks its tokens up itself (CPU), else 1. The worker tells
+        the scheduler, which gives no budget (and keeps the overlap) where this is 1."""
+        f = self.model.fused_decode
+        return self._decode_steps if f is not None and f.has_head and f.embeds and self.graphs is None else 1
 
     def idle(self) -> None:
         """The worker had no batch for a poll interval: the backends give back what they
@@ -344,7 +352,7 @@ class ModelRunner:
                 else {}
             triples = [(s.row, s.start, s.length + len(drafts.get(s.row, ()))) for s in batch.steps]
             plan = self.attn.plan(triples, table)
-            steps = self._decode_steps(batch, staged, plan, table) if batch.spec and self.decode_steps > 1 else None
+            steps = self._plan_steps(batch, staged, plan, table) if batch.spec and self.decode_steps > 1 else None
         except (BatchError, PlanError, ProtocolError) as e:
             log.warning("batch %d refused: %s", batch.batch_id, e)
             return BatchResult(batch_id=batch.batch_id, error=str(e))
@@ -384,7 +392,7 @@ class ModelRunner:
         drafts = {r: propose((staged.get(r) or self.rows[r]).tokens.array, k) for r, k in budget.items()}
         return {r: d for r, d in drafts.items() if d}
 
-    def _decode_steps(self, batch: ForwardBatch, staged: dict[int, RowState], plan,
+    def _plan_steps(self, batch: ForwardBatch, staged: dict[int, RowState], plan,
                       table: np.ndarray) -> Optional[tuple[int, torch.Tensor, torch.Tensor]]:
         """--decode-steps: (n, page_at, pages) where this step and n - 1 more run in one
         native call (FusedDecode.steps), else None (one step, as without the flag). Only a
@@ -392,10 +400,9 @@ class ModelRunner:
         or asks for them (SamplingParams.may_draft), where the fused step computes its head;
         n - 1 is the least further positions the scheduler held pages for (batch.spec), and
         pages[page_at[r]:page_at[r + 1]] are row r's up to its last step's position."""
-        f = self.model.fused_decode
-        if (f is None or not (f.has_head and f.embeds) or not plan.decode_only or len(plan.rows) > f.max_rows
-                or self.keep_logits or self.faults is not None or self.graphs is not None):
-            return None
+        f = self.model.fused_decode  # (not None: decode_steps > 1)
+        if not plan.decode_only or len(plan.rows) > f.max_rows or self.keep_logits or self.faults is not None:
+            return None  # (test hooks: last_logits and fault injection are per step)
         n = self.decode_steps
         for s in batch.steps:
             params = (staged.get(s.row) or self.rows[s.row]).params

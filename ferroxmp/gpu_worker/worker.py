@@ -142,6 +142,7 @@ def run_worker(args: dict, run_dir: str, pool_name: str, tp_info: Optional[dict]
                 "sliding_window": cfg.sliding_window, "model_type": cfg.model_type,
                 "dtype": cfg.dtype_name, "dtype_reason": dtype_reason, "device": str(runner.device), "model_path": model_path, "tp": sa.tp}
         info["spec_step_tokens"] = runner.spec_step_tokens
+        info["decode_steps"] = runner.decode_steps
         info["memory"] = runner.memory_info()  # weight bytes by format, KV bytes: /server_info
         tiers = open_tiers(sa, runner, model_path, _sender(ctx, ends["worker_results"]))
         if tiers is not None:

@@ -234,7 +234,7 @@ class SchedulerCore:
         rows share what the cap leaves above one token each: of a cap of 16, 1 row drafts up
         to 15, 4 rows 3 each, 8 rows 1, 9 or more none. Further steps (--decode-steps) run
         only in a batch of decode rows that all choose by argmax, as many as its least row
-        may take (the worker's rule, runner._decode_steps), and not while a request waits
+        may take (the worker's rule, runner._plan_steps), and not while a request waits
         (its first chunk would wait those steps): any other batch gets no budget, and so
         keeps the overlap."""
         out, ps, cap = {}, self.cfg.page_size, self.cfg.spec_step_tokens

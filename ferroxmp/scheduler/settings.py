@@ -35,6 +35,8 @@ class SchedulerConfig:
     @classmethod
     def from_launch(cls, args: dict, worker_info: dict) -> "SchedulerConfig":
         server = ServerArgs.from_dict(args)
+        # --decode-steps where the worker's fused step runs them (its own figure: 1 elsewhere)
+        steps = min(server.decode_steps, worker_info.get("decode_steps", 1))
         return cls(page_size=worker_info["page_size"], max_batch_tokens=args["max_batch_tokens"],
                    max_model_len=worker_info["max_model_len"], vocab_size=worker_info["vocab_size"],
                    eos_token_ids=tuple(worker_info.get("eos_token_ids") or ()),
@@ -44,7 +46,8 @@ class SchedulerConfig:
                    max_step_seconds=args.get("max_step_seconds", 0.0),
                    max_grammar_compile_seconds=args.get("max_grammar_compile_seconds", 5.0),
                    kv_host=bool(args.get("kv_host_gb")), kv_disk=bool(args.get("kv_cache_dir")),
-                   spec_tokens=server.spec_tokens, decode_steps=server.decode_steps > 1,
+                   spec_tokens=server.spec_tokens if server.decode_steps == 1 else steps - 1,
+                   decode_steps=steps > 1,
                    spec_step_tokens=worker_info.get("spec_step_tokens"))
 
     def refusal(self, p: SamplingParams, n: int, num_pages: int) -> Optional[str]:
