@@ -38,8 +38,8 @@ class LocalEngine:
             page_size=page_size, max_batch_tokens=max_batch_tokens, max_model_len=max_model_len,
             vocab_size=cfg.vocab_size, eos_token_ids=tuple(cfg.eos_token_ids), radix=radix,
             sliding_window=cfg.sliding_window, swa_release_interval=swa_release_interval,
-            kv_host=kv_host_bytes > 0, kv_disk=kv_dir is not None, spec_tokens=spec_tokens or decode_steps - 1,
-            decode_steps=decode_steps > 1))
+            kv_host=kv_host_bytes > 0, kv_disk=kv_dir is not None,
+            spec_tokens=spec_tokens or self.runner.decode_steps - 1, decode_steps=self.runner.decode_steps > 1))
         # The worker's KV tiers in this process: their threads report into `tier_msgs`,
         # which `build` hands to the core as the scheduler process would.
         self.tiers, self.tier_msgs = None, []
@@ -125,7 +125,7 @@ class LocalEngine:
         sampled = [s for s in batch.steps if s.sample]
         by_row = {s.row: i for i, s in enumerate(sampled)}
         for req, step in self.core.inflight.get(batch.batch_id, []):
-            if step.sample and result.error is None and step.row not in result.row_errors and self.runner.keep_logits:
+            if self.runner.keep_logits and step.sample and result.error is None and step.row not in result.row_errors:
                 self.sample_logits.setdefault(req.rid, []).append(
                     self.runner.last_logits[by_row[step.row]].clone())
         self.core.process_result(result, time.time())
@@ -232,8 +232,9 @@ class StubEngine:
             self.outs.setdefault(out.rid, []).append(out)
 
     def step(self, overlap: bool = True) -> bool:
-        while len(self.queue) < (2 if overlap else 1) and not self.core.lookahead_inflight and self.build() is not None:
-            pass
+        while len(self.queue) < (2 if overlap else 1) and not self.core.lookahead_inflight:
+            if self.build() is None:
+                break
         if not self.queue:
             return False
         self.report(self.answer(self.queue[0]))
