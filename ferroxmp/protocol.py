@@ -237,8 +237,9 @@ class ForwardBatch(msgspec.Struct, tag=True):
     batch_id: int
     new_rows: list[NewRow]
     steps: list[RowStep]
-    # --speculative-ngram / --draft-model: row -> most draft tokens its decode step may verify (the
-    # scheduler holds pages for that many positions past the step).
+    # --speculative-ngram / --draft-model: row -> most draft tokens its decode step may verify;
+    # --decode-steps: most further steps it may take in the same call (the scheduler holds
+    # pages for that many positions past the step either way).
     spec: dict[int, int] = {}
 
 
@@ -259,7 +260,8 @@ class BatchResult(msgspec.Struct, tag=True):
     # rows (params.pooling) that sampled in this batch, i.e. finished their prompt.
     embeddings: dict[int, bytes] = {}
     # --speculative-ngram / --draft-model: row -> the accepted draft tokens (int32), which follow the
-    # row's sampled token in `tokens`; and how many tokens were drafted and accepted.
+    # row's sampled token in `tokens` (--decode-steps: its further steps' tokens, none drafted);
+    # and how many tokens were drafted and accepted.
     spec_tokens: dict[int, bytes] = {}
     spec_drafted: int = 0
     spec_accepted: int = 0
