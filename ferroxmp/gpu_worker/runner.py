@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -30,7 +29,7 @@ from ferroxmp.protocol import (BatchResult, ForwardBatch, NewRow, ProtocolError,
                         unpack_ids)
 from ferroxmp.page_pool import PagePool
 from ferroxmp.token_ids import TokenIds
-from ferroxmp.gpu_worker.attention import PlanError, backend_layout, make_backend
+from ferroxmp.gpu_worker.attention import PlanError, backend_layout, make_backend, plan_step
 from ferroxmp.gpu_worker.sampling.draft_model import DraftModel
 from ferroxmp.gpu_worker.sampling.ngram import Backoff, propose
 from ferroxmp.gpu_worker.isolation import fail_batch, skip_failed
@@ -399,7 +398,8 @@ class ModelRunner:
         step of decode rows that all choose by argmax, with nothing that edits their logits
         or asks for them (SamplingParams.may_draft), where the fused step computes its head;
         n - 1 is the least further positions the scheduler held pages for (batch.spec), and
-        pages[page_at[r]:page_at[r + 1]] are row r's up to its last step's position."""
+        pages[page_at[r]:page_at[r + 1]] are row r's up to its last step's position (the
+        last step's own plan: its pages checked as any step's are)."""
         f = self.model.fused_decode  # (not None: decode_steps > 1)
         if not plan.decode_only or len(plan.rows) > f.max_rows or self.keep_logits or self.faults is not None:
             return None  # (test hooks: last_logits and fault injection are per step)
@@ -413,13 +413,9 @@ class ModelRunner:
         n = min(n, self.config.max_position_embeddings - max(starts))
         if n < 2:
             return None
-        count = [(start + n - 1) // self.page_size + 1 for start in starts]
-        if max(count) > table.shape[1]:
-            return None
-        pages = np.concatenate([table[r, :c] for r, c in zip(plan.rows.tolist(), count)]).astype(np.int64)
-        if pages.min() < 0 or pages.max() >= self.pool.num_pages:
-            raise PlanError(f"a row's pages for {n} steps are not all pages of this pool")
-        return n, torch.tensor([0, *accumulate(count)], dtype=torch.int64), torch.from_numpy(pages)
+        last = plan_step([(r, start + n - 1, 1) for r, start in zip(plan.rows.tolist(), starts)], table,
+                         self.page_size, self.pool.num_pages, None)
+        return n, torch.from_numpy(last.kv_indptr), torch.from_numpy(last.kv_pages)
 
     def _run_steps(self, batch: ForwardBatch, staged: dict[int, RowState], plan, t0: float, n: int,
                    page_at: torch.Tensor, pages: torch.Tensor) -> BatchResult:
