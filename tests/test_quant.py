@@ -159,13 +159,14 @@ def _f32_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tenso
 
 def test_float32_panels_multiply_within_float_rounding_at_any_row_count():
     """PackedF32 (the runner's form of float32 weights on CPU): groups.c's panels at 1-300
-    rows (one tile, several, a tile's tail; past 16 rows the work items of many rows),
-    against the float64 product; weights whose rows 32 does not divide (a zero-padded last
-    panel) and a K that no vector width divides. Its lookup and dequantize give the
+    rows (one tile, several, a tile's tail; past 16 rows the work items of many rows; one
+    and two rows over several panels at once, and the panels left over), against the
+    float64 product; weights whose rows 32 does not divide (a zero-padded last panel, also
+    inside a one-row item of three panels) and a K that no vector width divides. Its lookup and dequantize give the
     weight's own values, to the bit."""
     from ferroxmp.gpu_worker.quant.packed import PackedF32
     g = torch.Generator().manual_seed(3)
-    for n, k in ((99, 320), (64, 96), (33, 100)):
+    for n, k in ((99, 320), (64, 96), (33, 100), (95, 72), (200, 64)):
         w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
         p = PackedF32(w)
         assert p.shape == w.shape and torch.equal(p.dequantize(), w)
@@ -186,12 +187,13 @@ def test_a_float32_row_rounds_alike_whatever_rows_share_its_call():
     the one-token steps do, and a decode batch as each row alone."""
     from ferroxmp.gpu_worker.quant.packed import PackedF32
     g = torch.Generator().manual_seed(5)
-    p = PackedF32(torch.randn(99, 320, generator=g))
-    x = torch.randn(200, 320, generator=g) * torch.logspace(-3, 3, 200)[:, None]
-    alone = torch.cat([p(x[i:i + 1].contiguous()) for i in range(200)])
-    for rows in (2, 5, 6, 7, 12, 13, 16, 17, 48, 49, 193, 200):
-        for start in (0, 200 - rows):
-            assert torch.equal(p(x[start:start + rows].contiguous()), alone[start:start + rows]), (rows, start)
+    for n in (99, 95):  # one row's items of 3 panels: one left over; none, the last zero-padded
+        p = PackedF32(torch.randn(n, 320, generator=g))
+        x = torch.randn(200, 320, generator=g) * torch.logspace(-3, 3, 200)[:, None]
+        alone = torch.cat([p(x[i:i + 1].contiguous()) for i in range(200)])
+        for rows in (2, 3, 5, 6, 7, 12, 13, 16, 17, 48, 49, 193, 200):
+            for start in (0, 200 - rows):
+                assert torch.equal(p(x[start:start + rows].contiguous()), alone[start:start + rows]), (rows, start)
 
 
 @pytest.mark.parametrize("march", ["haswell", "skylake-avx512"])

@@ -104,16 +104,16 @@ def _pair(a, b, repeat: int) -> tuple[float, float]:
 
 def _read_floor(runner, ctx: int, runner_step, steps: int) -> tuple[float, float, int]:
     """The bandwidth floor of a one-row step: the bytes it must read (every weight once,
-    the row's K/V at `ctx` positions) summed by torch over a buffer in 2 MiB pages (where
-    the weights live: gpu_worker/huge_pages.py), alternately with the runner's step.
-    Returns (runner s, read s, bytes)."""
-    from ferroxmp.gpu_worker.huge_pages import WeightArena
+    the row's K/V at `ctx` positions) read from a buffer in 2 MiB pages (where the weights
+    live: gpu_worker/huge_pages.py) the fastest way this machine reads (read_floor.py),
+    alternately with the runner's step. Returns (runner s, read s, bytes)."""
+    from read_floor import ReadFloor
     cfg, kv = runner.config, runner.kv
     kv_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * ctx * kv.k.element_size()
     nbytes = sum(runner.model.weight_bytes().values()) + kv_bytes
-    buf = torch.ones(nbytes // 4)
-    arena = WeightArena([buf])  # noqa: F841  (buf lives in it)
-    t_run, t_read = _pair(runner_step, buf.sum, steps)
+    floor = ReadFloor(nbytes)
+    _, way = floor.seconds(nbytes)
+    t_run, t_read = _pair(runner_step, floor.ways(nbytes)[way], steps)
     return t_run, t_read, nbytes
 
 

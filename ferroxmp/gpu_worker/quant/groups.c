@@ -55,8 +55,8 @@ static inline float hsum(__m256 v) {
    a tile of up to TILE_ROWS activation rows keeps 2 x 12 (AVX-512) or 4 x 3 (AVX2)
    accumulators in registers and loads each panel row once for all of them. On SmolLM2's
    matrices at 8-16 rows 1.3-1.7x the dot-product kernel this replaced (f32_mm over
-   [N][K] rows) and oneDNN's GEMM; at one row the same read rate (one sequential stream a
-   thread); past 32 rows level with oneDNN (docs/BENCHMARKS.md 31).
+   [N][K] rows) and oneDNN's GEMM; past 32 rows level with oneDNN (docs/BENCHMARKS.md 31).
+   One row reads several panels at once (panel_streams1).
 
    Each output is one chain of fused multiply-adds over k = 0..K-1, in every path (any
    row count, any tile, AVX2 or AVX-512): a row's result does not depend on the other rows
@@ -74,6 +74,9 @@ static inline float hsum(__m256 v) {
 #ifndef PANEL_AHEAD
 #define PANEL_AHEAD 256
 #endif
+#ifndef PANEL_HINT
+#define PANEL_HINT _MM_HINT_NTA
+#endif
 
 static inline __attribute__((always_inline)) void panel_tile(int rows, int K, const float* x, const float* wp,
     float* y, int N, int valid, int first) {
@@ -83,7 +86,7 @@ static inline __attribute__((always_inline)) void panel_tile(int rows, int K, co
   for (int k = 0; k < K; k++) {
     const float* wk = wp + (int64_t)k * PANEL;
     if (first)
-      for (int b = 0; b < PANEL * (int)sizeof(float); b += 64) _mm_prefetch((const char*)wk + PANEL_AHEAD + b, _MM_HINT_NTA);
+      for (int b = 0; b < PANEL * (int)sizeof(float); b += 64) _mm_prefetch((const char*)wk + PANEL_AHEAD + b, PANEL_HINT);
     VEC w[PV];
     for (int v = 0; v < PV; v++) w[v] = VLOAD(wk + v * LANES);
     for (int i = 0; i < rows; i++) {
@@ -127,6 +130,42 @@ static inline void panel_rows(int M, int K, const float* x, const float* wp, flo
 #define PANEL_ITEM_ROWS 48
 #define PANEL_PASS_ROWS 192
 
+/* One activation row times PANEL_STREAMS adjacent panels at once (panel p0 onwards):
+   each thread keeps that many streams of the weights in flight instead of one. One
+   stream a thread left this box's memory (AMD EPYC, AVX2, 2 threads) idle between its
+   misses: float32 SmolLM2's one-row step 1.14-1.22x faster with 3 streams, 1.13-1.15x
+   with 2, 3 better than 4 (spilled accumulators; docs/BENCHMARKS.md 33). Each output is
+   the same chain of fused multiply-adds as panel_tile's: the same bits. */
+#ifndef PANEL_STREAMS
+#define PANEL_STREAMS 3
+#endif
+static inline __attribute__((always_inline)) void panel_streams(int rows, int ns, int K, const float* x,
+    const float* w0, int64_t stride, float* y, int N, int p0) {
+  VEC acc[2][PANEL_STREAMS][PV];
+  for (int i = 0; i < rows; i++)
+    for (int s = 0; s < ns; s++)
+      for (int v = 0; v < PV; v++) acc[i][s][v] = VZERO;
+  for (int k = 0; k < K; k++) {
+    VEC xv[2];
+    for (int i = 0; i < rows; i++) xv[i] = VSET1(x[(int64_t)i * K + k]);
+    for (int s = 0; s < ns; s++) {
+      const float* wk = w0 + s * stride + (int64_t)k * PANEL;
+      for (int b = 0; b < PANEL * (int)sizeof(float); b += 64) _mm_prefetch((const char*)wk + PANEL_AHEAD + b, PANEL_HINT);
+      for (int v = 0; v < PV; v++) {
+        VEC w = VLOAD(wk + v * LANES);
+        for (int i = 0; i < rows; i++) acc[i][s][v] = VFMA(w, xv[i], acc[i][s][v]);
+      }
+    }
+  }
+  for (int i = 0; i < rows; i++)
+    for (int s = 0; s < ns; s++) {
+      float out[PANEL];
+      const int valid = N - (p0 + s) * PANEL < PANEL ? N - (p0 + s) * PANEL : PANEL;
+      for (int v = 0; v < PV; v++) VSTORE(out + v * LANES, acc[i][s][v]);
+      for (int j = 0; j < valid; j++) y[(int64_t)i * N + s * PANEL + j] = out[j];
+    }
+}
+
 /* The product shared by the threads of the enclosing parallel region, each calling it
    (orphaned worksharing: outside a region the caller computes it alone); the region's
    threads meet at its end. Up to 16 rows (a decode step: its time is the weights' read)
@@ -135,6 +174,24 @@ static inline void panel_rows(int M, int K, const float* x, const float* wp, flo
 static inline void f32_panel_mm_team(int M, int N, int K, const float* x, const float* wp, float* y) {
   int NP = (N + PANEL - 1) / PANEL;
   const int64_t stride = (int64_t)K * PANEL;
+#ifndef STREAMS2
+#define STREAMS2 2
+#endif
+  if (M <= 2) {  /* items of `ns` panels; the last item's panels (NP not a multiple) one by one */
+    const int ns = M == 1 ? PANEL_STREAMS : STREAMS2;
+    #pragma omp for schedule(static)
+    for (int q = 0; q < (NP + ns - 1) / ns; q++) {
+      const int p0 = q * ns;
+      if (p0 + ns <= NP) {
+        if (M == 1) panel_streams(1, PANEL_STREAMS, K, x, wp + p0 * stride, stride, y + p0 * PANEL, N, p0);
+        else panel_streams(2, STREAMS2, K, x, wp + p0 * stride, stride, y + p0 * PANEL, N, p0);
+        continue;
+      }
+      for (int p = p0; p < NP; p++)
+        panel_rows(M, K, x, wp + p * stride, y + p * PANEL, N, N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
+    }
+    return;
+  }
   if (M <= 16) {
     #pragma omp for schedule(static)
     for (int p = 0; p < NP; p++)
