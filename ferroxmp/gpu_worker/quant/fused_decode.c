@@ -494,7 +494,9 @@ static void att_item(const Model* M, int l, int j, const Queries* Q, const int64
    function of the position only, never of the step's other rows: a decoding row's sums
    are the same alone or in a batch. A sequence's tokens of 6+ queries an item (a
    verify) stay whole: they have items enough, and chunking them measured 5-10% slower. */
+#ifndef ATT_CHUNK
 #define ATT_CHUNK 512
+#endif
 
 static inline int chunk_of(const Model* M) {
   const int ps = M->page_size;
