@@ -1,7 +1,9 @@
 """The machine's read bandwidth, as the bandwidth floor of a decode step uses it: the
 seconds to read N bytes once with every core (torch's sum over a float32 tensor far
 larger than the caches), median of several passes, in 4 KiB pages and again in 2 MiB
-pages (the region ferroxmp's CPU weights live in: gpu_worker/huge_pages.py).
+pages (the region ferroxmp's CPU weights live in: gpu_worker/huge_pages.py); then, in
+2 MiB pages, every way tools/read_floor.py reads (torch's sum, 2-6 streams a thread): the
+fastest is the floor's rate.
 
     .venv/bin/python tools/bench_bandwidth.py [--gib 1] [--threads N] [--passes 9]
 
@@ -34,7 +36,12 @@ def main() -> None:
     from ferroxmp.gpu_worker.huge_pages import WeightArena
     arena = WeightArena([x])  # x now lives in the arena's region
     measure(x, f"2 MiB pages ({arena.huge_bytes() / 2**20:.0f} of {arena.nbytes / 2**20:.0f} MiB huge)", a)
-
+    del arena, x
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from read_floor import ReadFloor
+    nbytes = int(a.gib * (1 << 30))
+    for name, t in ReadFloor(nbytes).times(nbytes, a.passes).items():
+        print(f"read bandwidth, 2 MiB pages, {name}: {nbytes / t / 1e9:.1f} GB/s")
 
 def measure(x: torch.Tensor, pages: str, a) -> None:
     x.sum()  # fault the pages in

@@ -38,6 +38,34 @@ def kv_bytes_per_position(model: str, kv_dtype_bytes: int) -> int:
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype_bytes
 
 
+class RunnerTokens:
+    """The model in a ModelRunner here (tools/bench_worker.py's RunnerBench, one row):
+    a prompt of n random tokens prefilled, then `out` tokens decoded `steps` a call."""
+
+    def __init__(self, model: str, quantization: str, steps: int, max_len: int):
+        from bench_worker import RunnerBench
+        self.rb = RunnerBench(model, 1, max_len + steps, 16, False, "auto", quantization=quantization,
+                              decode_steps=steps)
+        self.steps = steps
+        self.g = random.Random(0)
+
+    def close(self) -> None:
+        self.rb.close()
+
+    def time(self, n: int, out: int) -> float:
+        """Seconds a token after the first call's (as TPOT leaves out the first token)."""
+        from ferroxmp.protocol import RowStep
+        vocab = self.rb.runner.config.vocab_size
+        self.rb.start({0: [self.g.randrange(3, vocab) for _ in range(n)]})
+        calls, t0 = out // self.steps, 0.0
+        for c in range(calls):
+            if c == 1:
+                t0 = time.perf_counter()
+            self.rb.run([], [RowStep(0, len(self.rb.runner.rows[0].tokens) - 1, 1, True)],
+                        {0: self.steps - 1} if self.steps > 1 else None)
+        return (time.perf_counter() - t0) / ((calls - 1) * self.steps)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", action="append", required=True,
@@ -51,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--probes", type=int, default=5, help="reads a way of reading, its median taken")
     p.add_argument("--seed", type=int, default=62)
+    p.add_argument("--runner-steps", type=int, default=0,
+                   help="also time the same tokens in a ModelRunner in this process, N steps a call "
+                        "(the server's --decode-steps), after each round: the step without serving")
     p.add_argument("--json", help="write the rounds here")
     a = p.parse_args(argv)
 
@@ -76,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     for t in targets:  # warm-up
         stream_request(t.base_url, "chat", t.body("chat", prompt(), 16, 0.0), 120.0)
     rows: dict[str, list[dict]] = {t.name: [] for t in targets}
+    runner = RunnerTokens(a.model, a.quantization, a.runner_steps, 2 * a.input_len + 32 + a.output_len) \
+        if a.runner_steps else None
+    if runner:
+        rows["runner"] = []
     before = probe(weights + per_pos * (a.input_len + a.output_len // 2))
     busy = "ferroxmp_worker_busy_seconds_total"
     for i in range(a.rounds):
@@ -90,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             # the first token's wait, taken as prefill's): TPOT beyond it is spent
             # outside the steps (round trips, the other processes' turns).
             c1 = settled_counters(t.base_url)
-            step = (c1[busy] - c0[busy] - res.ttft) / (res.completion_tokens - 1) if busy in c0 else float("nan")
+            step = (c1[busy] - c0[busy] - res.ttft) / (res.completion_tokens - 1) if busy in c0 and busy in c1 else float("nan")
             nbytes = weights + per_pos * (res.prompt_tokens + res.completion_tokens // 2)
             after = probe(nbytes)
             floor = (before + after) / 2
@@ -101,9 +136,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {i} {t.name}: TPOT {1000 * res.tpot:7.2f} ms (worker's steps {1000 * step:6.2f}), "
                   f"read floor {1000 * floor:7.2f} ms ({nbytes / floor / 1e9:.1f} GB/s, {nbytes / 1e6:.0f} MB), "
                   f"TPOT / floor {res.tpot / floor:.3f}", flush=True)
+        if runner:
+            per_token = runner.time(rows[targets[-1].name][-1]["prompt_tokens"], a.output_len)
+            after = probe(nbytes)
+            floor = (before + after) / 2
+            before = after
+            rows["runner"].append({"tpot_ms": 1000 * per_token, "step_ms": 1000 * per_token,
+                                   "floor_ms": 1000 * floor, "ratio": per_token / floor})
+            print(f"round {i} runner: a token {1000 * per_token:7.2f} ms ({a.runner_steps} steps a call), read floor "
+                  f"{1000 * floor:7.2f} ms, runner / floor {per_token / floor:.3f}", flush=True)
+    if runner:
+        runner.close()
     for name, rs in rows.items():
         ratios = [r["ratio"] for r in rs]
-        print(f"{name} ({targets[[t.name for t in targets].index(name)].base_url}): median TPOT "
+        where = next((t.base_url for t in targets if t.name == name), "in this process")
+        print(f"{name} ({where}): median TPOT "
               f"{statistics.median(r['tpot_ms'] for r in rs):.2f} ms (steps {statistics.median(r['step_ms'] for r in rs):.2f}), "
               f"median read floor {statistics.median(r['floor_ms'] for r in rs):.2f} ms, TPOT / floor median "
               f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")

@@ -56,9 +56,9 @@ class ReadFloor:
             out[f"{s} streams"] = lambda s=s: self.lib.read_streams(view.data_ptr(), view.numel(), s)
         return out
 
-    def seconds(self, nbytes: int, repeat: int = 5) -> tuple[float, str]:
-        """(the fastest way's median seconds, its name)."""
-        best = (float("inf"), "")
+    def times(self, nbytes: int, repeat: int = 5) -> dict[str, float]:
+        """Each way's median seconds over `repeat` reads, after one."""
+        out = {}
         for name, fn in self.ways(nbytes).items():
             fn()
             times = []
@@ -66,5 +66,9 @@ class ReadFloor:
                 t = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - t)
-            best = min(best, (statistics.median(times), name))
-        return best
+            out[name] = statistics.median(times)
+        return out
+
+    def seconds(self, nbytes: int, repeat: int = 5) -> tuple[float, str]:
+        """(the fastest way's median seconds, its name)."""
+        return min((t, name) for name, t in self.times(nbytes, repeat).items())
