@@ -78,7 +78,8 @@ class Monitor:
     warned: dict[str, float] = field(default_factory=dict)  # name -> highest fraction logged
     cpu: dict[str, "CpuMark"] = field(default_factory=dict)  # name -> its CPU clock, when a pid is known
     computing: dict[str, float] = field(default_factory=dict)  # name -> last window it used CPU in
-    told: dict[str, float] = field(default_factory=dict)  # name -> the beat whose long step was logged
+    told: dict[str, float] = field(default_factory=dict)  # name (or "name back") -> the stamp last logged
+    seen: dict[str, float] = field(default_factory=dict)  # name -> the latest stamp read from its slot
     mm: Optional[mmap.mmap] = None
 
     def __post_init__(self) -> None:
@@ -103,18 +104,36 @@ class Monitor:
         for mark in self.cpu.values():
             mark.restart(now)
 
+    def stamp(self, name: str) -> float:
+        """The latest stamp of `name`'s slot ever read. A child's stamps only go forward
+        (one clock, CLOCK_MONOTONIC), so a read that goes back is no news and is ignored,
+        with a log line: three healthy servers on a VM were stopped after 5-9 minutes as
+        "silent for 330-523 s" (since they started), their frontends beating all along,
+        each time with no warning before, which only a read of a slot that went back to
+        its first stamp explains (the cause, a clock or the mapping, was not found).
+        Logged once per stamp that went back."""
+        (stamp,) = struct.unpack_from("<d", self.mm, 8 * SLOTS.index(name))
+        last = self.seen.get(name, 0.0)
+        if stamp < last:
+            if self.told.get(f"{name} back") != stamp:
+                self.told[f"{name} back"] = stamp
+                log.warning("%s's liveness stamp went back %.3fs (read %r after %r); ignored", name, last - stamp,
+                            stamp, last)
+            return last
+        self.seen[name] = stamp
+        return stamp
+
     def silence(self, name: str, now: Optional[float] = None) -> float:
         """Seconds since the child last beat or was seen computing."""
         now = time.monotonic() if now is None else now
-        (stamp,) = struct.unpack_from("<d", self.mm, 8 * SLOTS.index(name))
-        return now - max(stamp, self.since[name], self.computing.get(name, 0.0))
+        return now - max(self.stamp(name), self.since[name], self.computing.get(name, 0.0))
 
     def _sample_cpu(self, name: str, now: float) -> None:
         mark = self.cpu.get(name)
         if mark is None or now - mark.at < CPU_WINDOW_S:
             return
         used = mark.advance(now)
-        (stamp,) = struct.unpack_from("<d", self.mm, 8 * SLOTS.index(name))
+        stamp = self.stamp(name)
         if used >= MIN_CPU_SHARE * CPU_WINDOW_S:
             if now - stamp >= self.timeout * WARN_AT[0] and self.told.get(name) != stamp:
                 self.told[name] = stamp  # once per long step

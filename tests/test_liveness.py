@@ -118,3 +118,28 @@ def test_a_computing_child_is_not_stalled_but_the_same_child_stopped_is(tmp_path
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         mon.close()
+
+
+def test_a_stamp_read_that_goes_back_is_ignored_not_called_a_stall(tmp_path, caplog):
+    """A child's stamps only go forward; a read of its slot that goes back (to its first
+    stamp, or to zero) must not make a beating child look silent since its start: three
+    healthy servers were stopped so. Logged once, and a real silence is still a stall."""
+    import struct
+    mon = Monitor(str(tmp_path), TIMEOUT)
+    heart = Heartbeat(str(tmp_path), "frontend")  # its first stamp, as at the frontend's start
+    (first,) = struct.unpack_from("<d", heart.mm, heart.offset)
+    mon.watch("frontend")
+    caplog.set_level(logging.WARNING, "ferroxmp.supervisor")
+    for back in (first, 0.0):
+        time.sleep(TIMEOUT * 1.2)
+        heart.beat()
+        assert mon.silence("frontend") < TIMEOUT / 2
+        struct.pack_into("<d", heart.mm, heart.offset, back)  # the slot read back at its start
+        for _ in range(3):
+            assert mon.stalled() is None and mon.silence("frontend") < TIMEOUT / 2
+    assert sum("went back" in r.getMessage() for r in caplog.records) == 2
+    deadline = time.monotonic() + 5
+    while mon.stalled() is None:  # no beat since: a silence all the same
+        assert time.monotonic() < deadline, "a silent child was never called stalled"
+        time.sleep(0.01)
+    mon.close()
