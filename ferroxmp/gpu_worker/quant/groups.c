@@ -66,7 +66,9 @@ static inline float hsum(__m256 v) {
 #ifdef __AVX512F__
 #define TILE_ROWS 12
 #else
+#ifndef TILE_ROWS
 #define TILE_ROWS 3
+#endif
 #endif
 /* Each panel row also prefetched non-temporally PANEL_AHEAD bytes on, by the first tile
    of a panel only (the one that reads it from memory): a plain stream sweeps the caches
