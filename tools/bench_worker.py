@@ -234,14 +234,7 @@ def bench_transformers(path: str, prompt: int, batches: list[int], steps: int) -
     g = torch.Generator().manual_seed(0)
     out = {}
 
-    def timed(fn, repeat):
-        fn()
-        ts = []
-        for _ in range(repeat):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-        return statistics.median(ts)
+    from read_floor import median_seconds as timed
 
     with torch.inference_mode():
         ids = torch.randint(3, vocab, (1, prompt), generator=g)

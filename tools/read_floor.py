@@ -40,6 +40,17 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
+def median_seconds(fn, repeat: int) -> float:
+    """The median seconds of `repeat` calls of fn(), after one (its warm-up)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 class ReadFloor:
     """A buffer of `capacity` bytes in 2 MiB pages and the ways of reading it."""
 
@@ -58,16 +69,7 @@ class ReadFloor:
 
     def times(self, nbytes: int, repeat: int = 5) -> dict[str, float]:
         """Each way's median seconds over `repeat` reads, after one."""
-        out = {}
-        for name, fn in self.ways(nbytes).items():
-            fn()
-            times = []
-            for _ in range(repeat):
-                t = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t)
-            out[name] = statistics.median(times)
-        return out
+        return {name: median_seconds(fn, repeat) for name, fn in self.ways(nbytes).items()}
 
     def seconds(self, nbytes: int, repeat: int = 5) -> tuple[float, str]:
         """(the fastest way's median seconds, its name)."""
