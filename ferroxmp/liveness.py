@@ -78,8 +78,9 @@ class Monitor:
     warned: dict[str, float] = field(default_factory=dict)  # name -> highest fraction logged
     cpu: dict[str, "CpuMark"] = field(default_factory=dict)  # name -> its CPU clock, when a pid is known
     computing: dict[str, float] = field(default_factory=dict)  # name -> last window it used CPU in
-    told: dict[str, float] = field(default_factory=dict)  # name (or "name back") -> the stamp last logged
+    told: dict[str, float] = field(default_factory=dict)  # name -> the beat whose long step was logged
     seen: dict[str, float] = field(default_factory=dict)  # name -> the latest stamp read from its slot
+    went_back: dict[str, float] = field(default_factory=dict)  # name -> the last read that went back (logged)
     mm: Optional[mmap.mmap] = None
 
     def __post_init__(self) -> None:
@@ -115,8 +116,8 @@ class Monitor:
         (stamp,) = struct.unpack_from("<d", self.mm, 8 * SLOTS.index(name))
         last = self.seen.get(name, 0.0)
         if stamp < last:
-            if self.told.get(f"{name} back") != stamp:
-                self.told[f"{name} back"] = stamp
+            if self.went_back.get(name) != stamp:
+                self.went_back[name] = stamp
                 log.warning("%s's liveness stamp went back %.3fs (read %r after %r); ignored", name, last - stamp,
                             stamp, last)
             return last

@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probes", type=int, default=5, help="reads a way of reading, its median taken")
     p.add_argument("--seed", type=int, default=62)
     p.add_argument("--runner-steps", type=int, default=0,
-                   help="also time the same tokens in a ModelRunner in this process, N steps a call "
-                        "(the server's --decode-steps), after each round: the step without serving")
+                   help="also time the same tokens in a ModelRunner in this process (the checkpoint's own "
+                        "dtype), N steps a call (the server's --decode-steps), after each round: the step "
+                        "without serving")
     p.add_argument("--json", help="write the rounds here")
     a = p.parse_args(argv)
 
@@ -111,42 +112,44 @@ def main(argv: list[str] | None = None) -> int:
         if a.runner_steps else None
     if runner:
         rows["runner"] = []
-    before = probe(weights + per_pos * (a.input_len + a.output_len // 2))
-    busy = "ferroxmp_worker_busy_seconds_total"
-    for i in range(a.rounds):
-        msgs = prompt()  # every server gets the round's prompt
-        for t in targets:
-            c0 = settled_counters(t.base_url)
-            res = stream_request(t.base_url, "chat", t.body("chat", msgs, a.output_len, 0.0), 300.0)
-            if not res.ok or res.tpot is None:
-                print(f"round {i} {t.name}: failed: {res.error}", file=sys.stderr)
-                return 1
-            # The worker's time in steps a token after the first (its busy seconds less
-            # the first token's wait, taken as prefill's): TPOT beyond it is spent
-            # outside the steps (round trips, the other processes' turns).
-            c1 = settled_counters(t.base_url)
-            step = (c1[busy] - c0[busy] - res.ttft) / (res.completion_tokens - 1) if busy in c0 and busy in c1 else float("nan")
-            nbytes = weights + per_pos * (res.prompt_tokens + res.completion_tokens // 2)
-            after = probe(nbytes)
-            floor = (before + after) / 2
-            before = after
-            rows[t.name].append({"tpot_ms": 1000 * res.tpot, "step_ms": 1000 * step, "floor_ms": 1000 * floor,
-                                 "gb_s": nbytes / floor / 1e9, "ratio": res.tpot / floor,
-                                 "prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens})
-            print(f"round {i} {t.name}: TPOT {1000 * res.tpot:7.2f} ms (worker's steps {1000 * step:6.2f}), "
-                  f"read floor {1000 * floor:7.2f} ms ({nbytes / floor / 1e9:.1f} GB/s, {nbytes / 1e6:.0f} MB), "
-                  f"TPOT / floor {res.tpot / floor:.3f}", flush=True)
+    try:
+        before = probe(weights + per_pos * (a.input_len + a.output_len // 2))
+        busy = "ferroxmp_worker_busy_seconds_total"
+        for i in range(a.rounds):
+            msgs = prompt()  # every server gets the round's prompt
+            for t in targets:
+                c0 = settled_counters(t.base_url)
+                res = stream_request(t.base_url, "chat", t.body("chat", msgs, a.output_len, 0.0), 300.0)
+                if not res.ok or res.tpot is None:
+                    print(f"round {i} {t.name}: failed: {res.error}", file=sys.stderr)
+                    return 1
+                # The worker's time in steps a token after the first (its busy seconds less
+                # the first token's wait, taken as prefill's): TPOT beyond it is spent
+                # outside the steps (round trips, the other processes' turns).
+                c1 = settled_counters(t.base_url)
+                step = (c1[busy] - c0[busy] - res.ttft) / (res.completion_tokens - 1) if busy in c0 and busy in c1 else float("nan")
+                nbytes = weights + per_pos * (res.prompt_tokens + res.completion_tokens // 2)
+                after = probe(nbytes)
+                floor = (before + after) / 2
+                before = after
+                rows[t.name].append({"tpot_ms": 1000 * res.tpot, "step_ms": 1000 * step, "floor_ms": 1000 * floor,
+                                     "gb_s": nbytes / floor / 1e9, "ratio": res.tpot / floor,
+                                     "prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens})
+                print(f"round {i} {t.name}: TPOT {1000 * res.tpot:7.2f} ms (worker's steps {1000 * step:6.2f}), "
+                      f"read floor {1000 * floor:7.2f} ms ({nbytes / floor / 1e9:.1f} GB/s, {nbytes / 1e6:.0f} MB), "
+                      f"TPOT / floor {res.tpot / floor:.3f}", flush=True)
+            if runner:
+                per_token = runner.time(rows[targets[-1].name][-1]["prompt_tokens"], a.output_len)
+                after = probe(nbytes)
+                floor = (before + after) / 2
+                before = after
+                rows["runner"].append({"tpot_ms": 1000 * per_token, "step_ms": 1000 * per_token,
+                                       "floor_ms": 1000 * floor, "ratio": per_token / floor})
+                print(f"round {i} runner: a token {1000 * per_token:7.2f} ms ({a.runner_steps} steps a call), read floor "
+                      f"{1000 * floor:7.2f} ms, runner / floor {per_token / floor:.3f}", flush=True)
+    finally:  # the runner's page pool is shared memory: removed however the rounds end
         if runner:
-            per_token = runner.time(rows[targets[-1].name][-1]["prompt_tokens"], a.output_len)
-            after = probe(nbytes)
-            floor = (before + after) / 2
-            before = after
-            rows["runner"].append({"tpot_ms": 1000 * per_token, "step_ms": 1000 * per_token,
-                                   "floor_ms": 1000 * floor, "ratio": per_token / floor})
-            print(f"round {i} runner: a token {1000 * per_token:7.2f} ms ({a.runner_steps} steps a call), read floor "
-                  f"{1000 * floor:7.2f} ms, runner / floor {per_token / floor:.3f}", flush=True)
-    if runner:
-        runner.close()
+            runner.close()
     for name, rs in rows.items():
         ratios = [r["ratio"] for r in rs]
         where = next((t.base_url for t in targets if t.name == name), "in this process")

@@ -56,7 +56,7 @@ static inline float hsum(__m256 v) {
    accumulators in registers and loads each panel row once for all of them. On SmolLM2's
    matrices at 8-16 rows 1.3-1.7x the dot-product kernel this replaced (f32_mm over
    [N][K] rows) and oneDNN's GEMM; past 32 rows level with oneDNN (docs/BENCHMARKS.md 31).
-   One row reads several panels at once (panel_streams1).
+   One or two rows read several panels at once (panel_streams).
 
    Each output is one chain of fused multiply-adds over k = 0..K-1, in every path (any
    row count, any tile, AVX2 or AVX-512): a row's result does not depend on the other rows
@@ -132,18 +132,23 @@ static inline void panel_rows(int M, int K, const float* x, const float* wp, flo
 #define PANEL_ITEM_ROWS 48
 #define PANEL_PASS_ROWS 192
 
-/* One activation row times PANEL_STREAMS adjacent panels at once (panel p0 onwards):
-   each thread keeps that many streams of the weights in flight instead of one. One
-   stream a thread left this box's memory (AMD EPYC, AVX2, 2 threads) idle between its
-   misses: float32 SmolLM2's one-row step 1.14-1.22x faster with 3 streams, 1.13-1.15x
-   with 2, 3 better than 4 (spilled accumulators; docs/BENCHMARKS.md 33). Each output is
-   the same chain of fused multiply-adds as panel_tile's: the same bits. */
+/* One activation row times PANEL_STREAMS adjacent panels at once (two rows: STREAMS2),
+   panel p0 onwards: each thread keeps that many streams of the weights in flight instead
+   of one. One stream a thread left this box's memory (AMD EPYC, AVX2, 2 threads) idle
+   between its misses: float32 SmolLM2's one-row step 1.19-1.23x faster with 3 streams,
+   1.13-1.16x with 2, 3 better than 4 (spilled accumulators); two rows 1.08-1.12x with 2
+   (docs/BENCHMARKS.md 33). Each output is the same chain of fused multiply-adds as
+   panel_tile's: the same bits. */
 #ifndef PANEL_STREAMS
 #define PANEL_STREAMS 3
 #endif
+#ifndef STREAMS2
+#define STREAMS2 2
+#endif
+#define MAX_STREAMS (PANEL_STREAMS > STREAMS2 ? PANEL_STREAMS : STREAMS2)
 static inline __attribute__((always_inline)) void panel_streams(int rows, int ns, int K, const float* x,
     const float* w0, int64_t stride, float* y, int N, int p0) {
-  VEC acc[2][PANEL_STREAMS][PV];
+  VEC acc[2][MAX_STREAMS][PV];
   for (int i = 0; i < rows; i++)
     for (int s = 0; s < ns; s++)
       for (int v = 0; v < PV; v++) acc[i][s][v] = VZERO;
@@ -176,9 +181,6 @@ static inline __attribute__((always_inline)) void panel_streams(int rows, int ns
 static inline void f32_panel_mm_team(int M, int N, int K, const float* x, const float* wp, float* y) {
   int NP = (N + PANEL - 1) / PANEL;
   const int64_t stride = (int64_t)K * PANEL;
-#ifndef STREAMS2
-#define STREAMS2 2
-#endif
   if (M <= 2) {  /* items of `ns` panels; the last item's panels (NP not a multiple) one by one */
     const int ns = M == 1 ? PANEL_STREAMS : STREAMS2;
     #pragma omp for schedule(static)
