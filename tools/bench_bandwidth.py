@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from read_floor import ReadFloor, median_seconds  # noqa: E402
 
 
 def main() -> None:
@@ -37,20 +37,13 @@ def main() -> None:
     arena = WeightArena([x])  # x now lives in the arena's region
     measure(x, f"2 MiB pages ({arena.huge_bytes() / 2**20:.0f} of {arena.nbytes / 2**20:.0f} MiB huge)", a)
     del arena, x
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from read_floor import ReadFloor
     nbytes = int(a.gib * (1 << 30))
     for name, t in ReadFloor(nbytes).times(nbytes, a.passes).items():
         print(f"read bandwidth, 2 MiB pages, {name}: {nbytes / t / 1e9:.1f} GB/s")
 
+
 def measure(x: torch.Tensor, pages: str, a) -> None:
-    x.sum()  # fault the pages in
-    ts = []
-    for _ in range(a.passes):
-        t = time.perf_counter()
-        x.sum()
-        ts.append(time.perf_counter() - t)
-    s = statistics.median(ts)
+    s = median_seconds(x.sum, a.passes)  # (its first sum faults the pages in)
     print(f"read bandwidth, {pages}: {x.numel() * 4 / s / 1e9:.1f} GB/s ({a.threads} threads, {a.gib} GiB, "
           f"median of {a.passes}: {s * 1e3:.1f} ms)")
 

@@ -32,12 +32,6 @@ from bench_client import Target, discover_model, settled_counters, stream_reques
 from read_floor import ReadFloor  # noqa: E402
 
 
-def kv_bytes_per_position(model: str, kv_dtype_bytes: int) -> int:
-    from ferroxmp.gpu_worker.loader import load_config
-    cfg = load_config(model)
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype_bytes
-
-
 class RunnerTokens:
     """The model in a ModelRunner here (tools/bench_worker.py's RunnerBench, one row):
     a prompt of n random tokens prefilled, then `out` tokens decoded `steps` a call."""
@@ -54,15 +48,13 @@ class RunnerTokens:
 
     def time(self, n: int, out: int) -> float:
         """Seconds a token after the first call's (as TPOT leaves out the first token)."""
-        from ferroxmp.protocol import RowStep
         vocab = self.rb.runner.config.vocab_size
         self.rb.start({0: [self.g.randrange(3, vocab) for _ in range(n)]})
         calls, t0 = out // self.steps, 0.0
         for c in range(calls):
             if c == 1:
                 t0 = time.perf_counter()
-            self.rb.run([], [RowStep(0, len(self.rb.runner.rows[0].tokens) - 1, 1, True)],
-                        {0: self.steps - 1} if self.steps > 1 else None)
+            self.rb.decode(self.steps)
         return (time.perf_counter() - t0) / ((calls - 1) * self.steps)
 
 
@@ -73,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="the checkpoint the server serves (for its bytes)")
     p.add_argument("--dtype", default="float32", help="the server's --dtype")
     p.add_argument("--quantization", default="none", help="the server's --quantization")
-    p.add_argument("--kv-bytes", type=int, default=4, help="bytes of one K/V element in the server's pool")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the server's --kv-cache-dtype")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--input-len", type=int, default=64, help="words in each prompt")
     p.add_argument("--output-len", type=int, default=128)
@@ -87,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     import torch
-    from ferroxmp.gpu_worker.loader import weight_bytes
+    from ferroxmp.gpu_worker.loader import load_config, weight_bytes
     weights = weight_bytes(a.model, getattr(torch, a.dtype), a.quantization)
-    per_pos = kv_bytes_per_position(a.model, a.kv_bytes)
+    per_pos = load_config(a.model, a.dtype, a.kv_cache_dtype).kv_bytes_per_token()
     targets = [Target(f"server{j}" if len(a.base_url) > 1 else "server", url, discover_model(url, 30.0))
                for j, url in enumerate(a.base_url)]
     rng = random.Random(a.seed)

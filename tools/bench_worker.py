@@ -108,9 +108,7 @@ def _read_floor(runner, ctx: int, runner_step, steps: int) -> tuple[float, float
     live: gpu_worker/huge_pages.py) the fastest way this machine reads (read_floor.py),
     alternately with the runner's step. Returns (runner s, read s, bytes)."""
     from read_floor import ReadFloor
-    cfg, kv = runner.config, runner.kv
-    kv_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * ctx * kv.k.element_size()
-    nbytes = sum(runner.model.weight_bytes().values()) + kv_bytes
+    nbytes = sum(runner.model.weight_bytes().values()) + runner.config.kv_bytes_per_token(runner.kv.k.dtype) * ctx
     floor = ReadFloor(nbytes)
     _, way = floor.seconds(nbytes)
     t_run, t_read = _pair(runner_step, floor.ways(nbytes)[way], steps)
@@ -148,6 +146,12 @@ class RunnerBench:
         res = self.runner.execute(ForwardBatch(self.bid, new_rows, steps, spec or {}))
         assert res.error is None, res.error
         return res
+
+    def decode(self, steps: int = 1, row: int = 0):
+        """One decode call of `row` from its last token: `steps` greedy steps in it (the
+        runner's --decode-steps budget), or one."""
+        last = len(self.runner.rows[row].tokens) - 1
+        return self.run([], [RowStep(row, last, 1, True)], {row: steps - 1} if steps > 1 else None)
 
     def start(self, prompts: dict[int, list[int]]) -> None:
         self.run([NewRow(r, pack_ids(p), GREEDY, 0) for r, p in prompts.items()], [])
@@ -210,10 +214,7 @@ def bench(path: str, batches: list[int], contexts: list[int], prefills: list[int
                               f"{1000 * t_read:8.1f} ms ({nbytes / 2**20:.0f} MiB at {nbytes / t_read / 1e9:.1f} "
                               f"GB/s), runner/read floor {t_run / t_read:.3f}", flush=True)
                     if b == 1 and decode_steps > 1:  # --decode-steps: n steps a call, per token
-                        def runner_steps():
-                            last = len(rb.runner.rows[0].tokens) - 1
-                            rb.run([], [RowStep(0, last, 1, True)], {0: decode_steps - 1})
-                        t_run, t_read, nbytes = _read_floor(rb.runner, ctx, runner_steps, steps)
+                        t_run, t_read, nbytes = _read_floor(rb.runner, ctx, lambda: rb.decode(decode_steps), steps)
                         t_run /= decode_steps
                         out[f"decode_b1_ctx{ctx}"].update(steps_runner_ms=1000 * t_run,
                                                           steps_read_floor_ms=1000 * t_read,
