@@ -25,7 +25,10 @@ from serverproc import ServerProcess, StreamResult, pages_leaked, stream_generat
 
 FLAGS = ("--page-size", "4", "--kv-pages", "2048", "--max-running-requests", "16", "--max-model-len", "4096")
 N_REQUESTS = int(os.environ.get("FERROXMP_STALL_REQUESTS", "4"))
-MAX_TOKENS = int(os.environ.get("FERROXMP_STALL_TOKENS", "300"))
+# Long enough that every stream is still generating when the pause hits: a stream waits at
+# the barrier on its first token while the server goes on, and the tiny model streams
+# hundreds of tokens a second (300 were sometimes all generated before the pause).
+MAX_TOKENS = int(os.environ.get("FERROXMP_STALL_TOKENS", "2000"))
 PAUSE_S = 5.0
 PROMPTS = [[11 + i, 40 + 3 * i, 7, 90 + i, 5 * i + 2] for i in range(N_REQUESTS)]
 
