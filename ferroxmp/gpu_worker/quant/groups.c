@@ -80,12 +80,14 @@ static inline float hsum(__m256 v) {
 #define PANEL_HINT _MM_HINT_NTA
 #endif
 
-static inline __attribute__((always_inline)) void panel_tile(int rows, int K, const float* x, const float* wp,
-    float* y, int N, int valid, int first) {
+/* Rows of a tile times panel rows k0..k1-1, the accumulators carried in `mem` between
+   calls (zeroed at k0 = 0): the same chain of fused multiply-adds as one call over all k. */
+static inline __attribute__((always_inline)) void panel_tile(int rows, int k0, int k1, int K, const float* x,
+    const float* wp, VEC* mem, int first) {
   VEC acc[TILE_ROWS][PV];
   for (int i = 0; i < rows; i++)
-    for (int v = 0; v < PV; v++) acc[i][v] = VZERO;
-  for (int k = 0; k < K; k++) {
+    for (int v = 0; v < PV; v++) acc[i][v] = k0 == 0 ? VZERO : mem[i * PV + v];
+  for (int k = k0; k < k1; k++) {
     const float* wk = wp + (int64_t)k * PANEL;
     if (first)
       for (int b = 0; b < PANEL * (int)sizeof(float); b += 64) _mm_prefetch((const char*)wk + PANEL_AHEAD + b, PANEL_HINT);
@@ -96,34 +98,43 @@ static inline __attribute__((always_inline)) void panel_tile(int rows, int K, co
       for (int v = 0; v < PV; v++) acc[i][v] = VFMA(w[v], xv, acc[i][v]);
     }
   }
-  for (int i = 0; i < rows; i++) {
-    if (valid == PANEL) {
-      for (int v = 0; v < PV; v++) VSTORE(y + (int64_t)i * N + v * LANES, acc[i][v]);
-    } else {  /* the last panel of an N that 32 does not divide */
-      float out[PANEL];
-      for (int v = 0; v < PV; v++) VSTORE(out + v * LANES, acc[i][v]);
-      for (int j = 0; j < valid; j++) y[(int64_t)i * N + j] = out[j];
-    }
-  }
+  for (int i = 0; i < rows; i++)
+    for (int v = 0; v < PV; v++) mem[i * PV + v] = acc[i][v];
 }
 
-/* Rows 0..M-1 of x times one panel, in tiles of TILE_ROWS rows (the first reads the panel
-   from memory, the others from cache). A constant `rows` per call keeps the accumulators
-   in registers. */
+/* Panel rows a block: every tile of a call's rows takes a block of KBLOCK panel rows in
+   turn (the first tile reads it from memory, the others from L1), so the weights' read is
+   spread over all the rows' multiplies instead of falling on the first tile alone while
+   the others compute from cache with the memory idle. KBLOCK >= K: tile after tile. */
+#ifndef KBLOCK
+#define KBLOCK 32
+#endif
+#define MAX_ITEM_ROWS 48  /* PANEL_ITEM_ROWS: the most rows panel_rows is given */
+
+/* Rows 0..M-1 (M <= MAX_ITEM_ROWS) of x times one panel, in tiles of TILE_ROWS rows. A
+   constant `rows` per call keeps the accumulators in registers. */
 static inline void panel_rows(int M, int K, const float* x, const float* wp, float* y, int N, int valid) {
-  int r = 0;
-  for (; r + TILE_ROWS <= M; r += TILE_ROWS)
-    panel_tile(TILE_ROWS, K, x + (int64_t)r * K, wp, y + (int64_t)r * N, N, valid, r == 0);
-  const float* xr = x + (int64_t)r * K;
-  float* yr = y + (int64_t)r * N;
-  int first = r == 0;
-  switch (M - r) {
-#define TAIL(c) case c: panel_tile(c, K, xr, wp, yr, N, valid, first); break;
-    TAIL(1) TAIL(2)
+  VEC mem[MAX_ITEM_ROWS * PV];
+  const int full = M - M % TILE_ROWS, tail = M % TILE_ROWS;
+  for (int k0 = 0; k0 < K; k0 += KBLOCK) {
+    const int k1 = k0 + KBLOCK < K ? k0 + KBLOCK : K;
+    for (int r = 0; r < full; r += TILE_ROWS)
+      panel_tile(TILE_ROWS, k0, k1, K, x + (int64_t)r * K, wp, mem + r * PV, r == 0);
+    const float* xr = x + (int64_t)full * K;
+    VEC* mr = mem + full * PV;
+    switch (tail) {
+#define TAIL(c) case c: panel_tile(c, k0, k1, K, xr, wp, mr, full == 0); break;
+      TAIL(1) TAIL(2)
 #ifdef __AVX512F__
-    TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7) TAIL(8) TAIL(9) TAIL(10) TAIL(11)
+      TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7) TAIL(8) TAIL(9) TAIL(10) TAIL(11)
 #endif
 #undef TAIL
+    }
+  }
+  for (int i = 0; i < M; i++) {
+    float out[PANEL];
+    for (int v = 0; v < PV; v++) VSTORE(out + v * LANES, mem[i * PV + v]);
+    for (int j = 0; j < valid; j++) y[(int64_t)i * N + j] = out[j];
   }
 }
 
