@@ -41,10 +41,13 @@ from ferroxmp.forked import in_child
 from ferroxmp.liveness import Monitor, process_state
 from ferroxmp.protocol import ProtocolError, Ready, Shutdown, decode, encode, endpoints
 from ferroxmp.shm_names import remove_dead_segments, segment_name
+from ferroxmp.wakeup import Sleeper
 
 log = logging.getLogger("ferroxmp.supervisor")
 READY_TIMEOUT_S = 900.0  # model loading on a slow disk
-WATCH_S = 0.05  # how soon a signal or a dead child is seen (a start or stop waits on it)
+WATCH_S = 0.05  # how soon a signal or a dead child is seen while starting or stopping (and
+# while serving where a Sleeper has no pidfd for a child)
+SERVE_TURN_S = 0.25  # while serving, how often stalls are checked (a signal or a death ends the wait)
 SELF_PAUSE_S = 2.0  # a watch turn this late means the supervisor itself was not running
 DUMP_WAIT_S = 1.0  # time for a stalled child to write its stacks after SIGUSR1
 MODULES = {"worker": "ferroxmp.gpu_worker.worker", "scheduler": "ferroxmp.scheduler.scheduler",
@@ -93,6 +96,7 @@ class Supervisor:
                     else f"file://{os.path.join(self.run_dir, 'tp_rendezvous')}")
             self.launch["tp"] = {"init_method": init, "world": args.tp, "nnodes": args.nnodes}
         self.signalled: Optional[int] = None
+        self.sleeper: Optional[Sleeper] = None  # run()'s: it takes the signal wake-up (main thread)
 
     def _write_launch(self) -> None:
         tmp = os.path.join(self.run_dir, "launch.json.tmp")
@@ -182,6 +186,7 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        self.sleeper = Sleeper(WATCH_S)
         try:
             if self.args.node_rank > 0:
                 return self._serve_ranks_only()
@@ -203,7 +208,7 @@ class Supervisor:
                     self.monitor.forgive()
                 last = now
                 self._check_stall()
-                time.sleep(WATCH_S)
+                self.sleeper.wait(SERVE_TURN_S, list(self.children.values()))
             return self._drain()
         except ChildDied as e:
             log.error("%s; stopping the server", e)
@@ -226,7 +231,7 @@ class Supervisor:
                 log.info("rank 0 stopped this node's ranks")
                 return 0
             self._check_children(exit_0_ok=True)
-            time.sleep(WATCH_S)
+            self.sleeper.wait(SERVE_TURN_S, list(self.children.values()))
         return 0
 
     def _fail_inflight(self, why: str) -> None:
@@ -285,6 +290,8 @@ class Supervisor:
         from ferroxmp.page_pool import remove_segment  # numpy: imported at the end, not for the server's life
         remove_segment(self.pool_name)  # a worker killed with -9 could not (page_pool.py)
         self.monitor.close()
+        if self.sleeper is not None:
+            self.sleeper.close()
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         log.info("stopped; nothing left behind")
