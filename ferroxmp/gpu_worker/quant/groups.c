@@ -105,7 +105,8 @@ static inline __attribute__((always_inline)) void panel_tile(int rows, int k0, i
 /* Panel rows a block: every tile of a call's rows takes a block of KBLOCK panel rows in
    turn (the first tile reads it from memory, the others from L1), so the weights' read is
    spread over all the rows' multiplies instead of falling on the first tile alone while
-   the others compute from cache with the memory idle. KBLOCK >= K: tile after tile. */
+   the others compute from cache with the memory idle (up to 16 rows: a decode step's
+   products, 3-5% less time at 4-16 rows; docs/BENCHMARKS.md 34). KBLOCK >= K: tile after tile. */
 #ifndef KBLOCK
 #define KBLOCK 32
 #endif
@@ -116,8 +117,9 @@ static inline __attribute__((always_inline)) void panel_tile(int rows, int k0, i
 static inline void panel_rows(int M, int K, const float* x, const float* wp, float* y, int N, int valid) {
   VEC mem[MAX_ITEM_ROWS * PV];
   const int full = M - M % TILE_ROWS, tail = M % TILE_ROWS;
-  for (int k0 = 0; k0 < K; k0 += KBLOCK) {
-    const int k1 = k0 + KBLOCK < K ? k0 + KBLOCK : K;
+  const int kb = M <= 16 ? KBLOCK : K;  /* past 16 rows (a prefill's items) blocks measured 0-6% slower */
+  for (int k0 = 0; k0 < K; k0 += kb) {
+    const int k1 = k0 + kb < K ? k0 + kb : K;
     for (int r = 0; r < full; r += TILE_ROWS)
       panel_tile(TILE_ROWS, k0, k1, K, x + (int64_t)r * K, wp, mem + r * PV, r == 0);
     const float* xr = x + (int64_t)full * K;
@@ -132,9 +134,13 @@ static inline void panel_rows(int M, int K, const float* x, const float* wp, flo
     }
   }
   for (int i = 0; i < M; i++) {
-    float out[PANEL];
-    for (int v = 0; v < PV; v++) VSTORE(out + v * LANES, mem[i * PV + v]);
-    for (int j = 0; j < valid; j++) y[(int64_t)i * N + j] = out[j];
+    if (valid == PANEL) {
+      for (int v = 0; v < PV; v++) VSTORE(y + (int64_t)i * N + v * LANES, mem[i * PV + v]);
+    } else {  /* the last panel of an N that 32 does not divide */
+      float out[PANEL];
+      for (int v = 0; v < PV; v++) VSTORE(out + v * LANES, mem[i * PV + v]);
+      for (int j = 0; j < valid; j++) y[(int64_t)i * N + j] = out[j];
+    }
   }
 }
 
