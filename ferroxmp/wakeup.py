@@ -7,8 +7,8 @@ so without this a SIGTERM to an idle process took effect only when its poll time
 signal (`signal.set_wakeup_fd`); the poll returns, the handler runs. The caller empties
 the pipe with `drain(fd)` when the poll reports it. Main thread only (set_wakeup_fd).
 
-`Sleeper` is the same for a loop with no sockets (the supervisor's): a wait that a
-signal or a watched child's exit ends at once.
+`Sleeper` is the same for a loop with no sockets (the supervisor's, the frontend's main
+loop): a wait that a signal or a watched child's exit ends at once.
 """
 from __future__ import annotations
 

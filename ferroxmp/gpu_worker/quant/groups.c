@@ -106,7 +106,7 @@ static inline __attribute__((always_inline)) void panel_tile(int rows, int k0, i
    turn (the first tile reads it from memory, the others from L1), so the weights' read is
    spread over all the rows' multiplies instead of falling on the first tile alone while
    the others compute from cache with the memory idle (up to 16 rows: a decode step's
-   products, 3-5% less time at 4-16 rows; docs/BENCHMARKS.md 34). KBLOCK >= K: tile after tile. */
+   products alone 5-8% less time at 4-16 rows; docs/BENCHMARKS.md 34). KBLOCK >= K: tile after tile. */
 #ifndef KBLOCK
 #define KBLOCK 32
 #endif
