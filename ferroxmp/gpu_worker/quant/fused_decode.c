@@ -281,12 +281,15 @@ static inline const float* kv_row(const Model* M, const void* pool, int64_t at, 
    -> 5.2-5.7 ms, 16 rows at 400 23.7-27.8 -> 15.7-18.7 ms; docs/BENCHMARKS.md 26). Into
    L2: into L1 it cost float32's 16 rows 5-10%. A walk over the keys also fetches the same
    page of the values, which the weighted sum reads next (16 rows at 400: 10-13% less
-   time; docs/BENCHMARKS.md 27). */
+   time; docs/BENCHMARKS.md 27), so a walk over the values prefetches nothing: its pages
+   are in L2 already, and its own prefetches (under AVX2 one walk a query, 3 a KV head)
+   only cost instructions (1-4% of a step in 5 of 5 cases; docs/BENCHMARKS.md 34). */
 #define ATT_AHEAD 2
 static inline int64_t page_walk(const Model* M, const void* pool, int64_t head, const int64_t* pg, int t0, int lo,
                                 int n) {
   const int ps = M->page_size, D = M->head_dim, page = t0 / ps, last = (n - 1) / ps;
   const int64_t bytes = (int64_t)ps * D * (M->kv_f16 ? 2 : 4);
+  if (pool == M->pool_v) return head + pg[page] * ps * D;
   for (int i = t0 != lo ? page + ATT_AHEAD : page + 1; i <= page + ATT_AHEAD && i <= last; i++) {
     const char* a = (const char*)pool + (head + pg[i] * ps * D) * (M->kv_f16 ? 2 : 4);
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(a + b, _MM_HINT_T1);
