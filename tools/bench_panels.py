@@ -5,7 +5,7 @@ decoder layers' weights read from memory, the builds alternated pass by pass.
 Why beside bench_kernel_ab.py (the whole fused step): the products alone, at row counts
 the step takes, with nothing else in the pass (attention, norms, the runner's Python),
 so a change to the tiles shows at its own size. The weights are random float32 panels
-in one mapping of 2 MiB pages, as the worker holds them (huge_pages.py), in the order a
+in one region of 2 MiB pages, as the worker holds them (huge_pages.WeightArena), in the order a
 step reads them: q, k, v, o, gate, up, down, for each layer. Every build's outputs must
 equal the first's, bitwise (each output is one FMA chain over k in every build).
 
@@ -15,7 +15,6 @@ equal the first's, bitwise (each output is one FMA chain over k in every build).
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import statistics
 import sys
@@ -27,28 +26,19 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernel_ab import build  # noqa: E402
-from ferroxmp.gpu_worker.huge_pages import HUGE  # noqa: E402
+from ferroxmp.gpu_worker.huge_pages import WeightArena  # noqa: E402
 from ferroxmp.gpu_worker.quant.native import ptr  # noqa: E402
 from ferroxmp.gpu_worker.quant.packed import PackedF32  # noqa: E402
 
 
-def layer_stack(layers: int, hidden: int, inter: int, kv: int) -> list[PackedF32]:
-    """The layers' matrices as panels, moved into one mapping that asked for huge pages."""
+def layer_stack(layers: int, hidden: int, inter: int, kv: int) -> tuple[list[PackedF32], WeightArena]:
+    """The layers' matrices as panels, moved into one region of 2 MiB pages (the worker's
+    WeightArena; keep it as long as the panels)."""
     shapes = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (inter, hidden), (inter, hidden),
               (hidden, inter)]
     g = torch.Generator().manual_seed(0)
     mats = [PackedF32(torch.randn(n, k, generator=g)) for _ in range(layers) for n, k in shapes]
-    total = sum(m.panels.numel() for m in mats) * 4
-    region = mmap.mmap(-1, total + HUGE)
-    region.madvise(mmap.MADV_HUGEPAGE)
-    flat = torch.frombuffer(region, dtype=torch.float32)
-    at = 0
-    for m in mats:
-        n = m.panels.numel()
-        view = flat[at:at + n].view(m.panels.shape)
-        view.copy_(m.panels)
-        m.panels, at = view, at + n + 16  # each on a cache line
-    return mats
+    return mats, WeightArena([m.panels for m in mats])
 
 
 def main() -> None:
@@ -61,8 +51,9 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=1536)
     p.add_argument("--kv", type=int, default=192, help="k and v projections' rows (kv heads x head dim)")
     a = p.parse_args()
-    mats = layer_stack(a.layers, a.hidden, a.intermediate, a.kv)
-    print(f"{len(mats)} matrices, {sum(m.nbytes for m in mats) / 2**20:.0f} MiB of float32 panels")
+    mats, arena = layer_stack(a.layers, a.hidden, a.intermediate, a.kv)
+    print(f"{len(mats)} matrices, {sum(m.nbytes for m in mats) / 2**20:.0f} MiB of float32 panels "
+          f"({arena.huge_bytes() / 2**20:.0f} MiB in huge pages)")
     with tempfile.TemporaryDirectory() as tmp:
         libs = dict(build(v, tmp) for v in a.variant)
         for lib in libs.values():

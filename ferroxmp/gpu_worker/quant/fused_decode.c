@@ -288,8 +288,8 @@ static inline const float* kv_row(const Model* M, const void* pool, int64_t at, 
 static inline int64_t page_walk(const Model* M, const void* pool, int64_t head, const int64_t* pg, int t0, int lo,
                                 int n) {
   const int ps = M->page_size, D = M->head_dim, page = t0 / ps, last = (n - 1) / ps;
+  if (pool == M->pool_v) return head + pg[page] * ps * D;  /* prefetched by the walk over the keys */
   const int64_t bytes = (int64_t)ps * D * (M->kv_f16 ? 2 : 4);
-  if (pool == M->pool_v) return head + pg[page] * ps * D;
   for (int i = t0 != lo ? page + ATT_AHEAD : page + 1; i <= page + ATT_AHEAD && i <= last; i++) {
     const char* a = (const char*)pool + (head + pg[i] * ps * D) * (M->kv_f16 ? 2 : 4);
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(a + b, _MM_HINT_T1);
